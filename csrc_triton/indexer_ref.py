@@ -1,0 +1,62 @@
+"""Lightning-indexer top-k selection (dsv4_architecture.md §5.5, transformers semantics).
+
+HF semantics: no Hadamard rotation, no FP8/FP4 quantisation, fp32 scores. The indexer keys are
+the ratio-4 overlapping compressor at width ``index_head_dim`` (:mod:`compressor_ref`) followed by
+``indexer.compressor.norm`` and RoPE at ``4w``; the queries are ``indexer.wq_b @ c_q`` (the normalised
+q latent of the main attention) with RoPE at the token position and no per-head norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Elements of the fp32 [tokens, heads, entries] score block materialised per chunk (128 MiB).
+_CHUNK_ELEMS = 1 << 25
+
+
+def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, topk: int) -> Tensor:
+    """Per query, the ``topk`` visible compressed entries with the highest indexer score (§5.5).
+
+    ``score[t, w] = sum_h weights[t, h] * relu(q[t, h] . keys[w])`` in fp32; entries
+    ``w >= num_visible[t]`` (``= (p + 1) // 4`` for a query at position p) are invisible.
+
+    ``weights`` must already carry both scales: the caller passes
+    ``weights_proj(x) * index_head_dim**-0.5 * index_n_heads**-0.5``, where x is the post-attn_norm
+    hidden state (the same x that feeds the compressors). HF applies ``index_head_dim**-0.5`` to
+    ``relu(q.k)`` and ``index_n_heads**-0.5`` to the projected weights; the product is the same
+    (up to fp32 rounding).
+
+    Args:
+        q: ``[Tq, H, di]`` indexer queries, RoPE applied.
+        weights: ``[Tq, H]`` scaled head weights.
+        keys: ``[N, di]`` indexer keys (normed, RoPE applied), entry w at row w.
+        num_visible: ``[Tq]`` int64 number of visible entries (a prefix of the rows).
+        topk: ``index_topk``.
+
+    Returns:
+        ``[Tq, topk]`` int64: indices of the selected entries in no particular order, -1 in the
+        ``topk - min(topk, num_visible[t])`` slots that have nothing to select. Ties are broken by
+        ``torch.topk`` (unspecified).
+
+    Bytes: reads q, weights and all N keys per query chunk; the score block is chunked over Tq so
+    at most ``_CHUNK_ELEMS`` fp32 scores are live.
+    """
+    Tq, H, _ = q.shape
+    N = keys.shape[0]
+    out = torch.full((Tq, topk), -1, dtype=torch.int64, device=q.device)  # [Tq, topk]
+    k_eff = min(topk, N)
+    if Tq == 0 or k_eff == 0:
+        return out
+    keys_t = keys.float().t()  # [di, N]
+    entry = torch.arange(N, device=q.device)  # [N]
+    chunk = max(1, _CHUNK_ELEMS // max(1, H * N))
+    for s in range(0, Tq, chunk):
+        qc = q[s : s + chunk].float()  # [t, H, di]
+        logits = torch.relu(qc @ keys_t)  # [t, H, N]
+        score = torch.einsum("thn,th->tn", logits, weights[s : s + chunk].float())  # [t, N]
+        nv = num_visible[s : s + chunk].to(q.device)  # [t]
+        score = score.masked_fill(entry[None, :] >= nv[:, None], float("-inf"))  # [t, N]
+        idx = score.topk(k_eff, dim=-1).indices  # [t, k_eff]
+        out[s : s + chunk, :k_eff] = torch.where(idx < nv[:, None], idx, -1)
+    return out

@@ -1,0 +1,531 @@
+#!/usr/bin/env python
+"""Write a random DeepSeek-V4 checkpoint in the official format (config, shards, index, tokenizer).
+
+Presets (dsv4_architecture.md §13.1, §1.1):
+  tiny   the TINY test config (0.6 M params), compress_ratios [0, 4, 128, 4, 0]
+  ktiny  the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
+  flash  real V4-Flash dimensions, truncated to ``--num-layers`` (default 6) main layers
+
+The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
+(``quantization_config`` + ``expert_dtype: fp4``). The unquantized variant encodes the SAME function:
+the same master weights are quantized and then stored dequantized in bf16 (exactly representable).
+Every tensor has its own generator seeded from (seed, name), so a layer's weights do not depend on
+the number of layers or on the order of generation.
+
+Shards are written group by group (top level, each layer, each MTP module), each group split into
+files of at most ``MAX_SHARD_BYTES``, so memory holds at most one layer's tensors.
+
+  python scripts/make_checkpoint.py --preset tiny --out /tmp/dsv4-tiny [--unquantized] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from vllm_dsv4.config import Dsv4Config  # noqa: E402
+from vllm_dsv4.loader import checkpoint as ckpt_table  # noqa: E402
+from vllm_dsv4.loader.dequant import (  # noqa: E402
+    dequant_fp8_block,
+    dequant_mxfp4,
+    quant_fp8_block,
+    quant_mxfp4,
+)
+
+MAX_SHARD_BYTES = 4 * 2**30
+PRESETS = ("tiny", "ktiny", "flash")
+
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+_TINY: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "sliding_window": 16,
+    "compress_ratios": [0, 4, 128, 4, 0],
+    "compress_rope_theta": 160000,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 4096,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "num_hash_layers": 2,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+_KTINY_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "sliding_window": 128,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 65536,
+}
+
+_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0],
+    "compress_rope_theta": 160000,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 1048576,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "num_hash_layers": 3,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hidden_act": "silu",
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+# Inert official keys (§1.1), present in the released config.json files.
+_INERT = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
+    """Keep the first ``num_layers`` main-layer ratios (repeating the C4/C128 pattern if more are
+    asked for), re-append the MTP ratios, and cap ``num_hash_layers``."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    old = raw["num_hidden_layers"]
+    main, mtp = list(raw["compress_ratios"][:old]), list(raw["compress_ratios"][old:])
+    while len(main) < num_layers:
+        main.append(4 if main[-1] == 128 else 128)
+    raw["compress_ratios"] = main[:num_layers] + mtp
+    raw["num_hidden_layers"] = num_layers
+    raw["num_hash_layers"] = min(raw["num_hash_layers"], num_layers)
+
+
+def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None) -> dict[str, Any]:
+    """The config.json dict (official key style) of a preset."""
+    if preset == "tiny":
+        raw = json.loads(json.dumps(_TINY))
+    elif preset == "ktiny":
+        raw = {**json.loads(json.dumps(_TINY)), **json.loads(json.dumps(_KTINY_OVERRIDES))}
+    elif preset == "flash":
+        raw = json.loads(json.dumps(_FLASH))
+        num_layers = 6 if num_layers is None else num_layers
+    else:
+        raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
+    if num_layers is not None and num_layers != raw["num_hidden_layers"]:
+        _truncate_layers(raw, num_layers)
+    raw.update(_INERT)
+    if quantized:
+        raw["expert_dtype"] = "fp4"
+        raw["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
+
+
+def _randn(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    # bf16 sampling is ~2x cheaper than fp32 for the expert-sized tensors; returns float32.
+    return torch.randn(shape, generator=g, dtype=torch.bfloat16).float()
+
+
+def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int) -> torch.Tensor:
+    """The float32 master value of parameter ``name`` (logical, unquantized shape).
+
+    Scaled so activations stay O(1): linears N(0, 1/fan_in), norms 1 + N(0, 0.1^2), and every
+    parameter that defaults to zero (sinks, ape, gate.bias, hc base) gets O(1) random values.
+    """
+    g = _generator(seed, name)
+    last = name.rsplit(".", 1)[-1]
+    if name == "embed.weight":
+        return _randn(g, shape)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * _randn(g, shape)
+    if last.endswith("_fn"):  # hc_{attn,ffn}_fn, hc_head_fn: mix logits mu ~ N(0, 1)
+        return _randn(g, shape) / math.sqrt(shape[1])
+    if last.endswith("_base"):
+        return 0.5 * _randn(g, shape)
+    if last.endswith("_scale") and last.startswith("hc_"):
+        return 0.5 + torch.rand(shape, generator=g)
+    if last == "attn_sink":
+        return _randn(g, shape)
+    if last == "ape":
+        return 0.5 * _randn(g, shape)
+    if name.endswith("gate.bias"):
+        return 0.25 * _randn(g, shape)
+    if len(shape) == 2 and last == "weight":  # every linear (incl. head, gate, compressor)
+        return _randn(g, shape) / math.sqrt(shape[1])
+    raise KeyError(f"no init rule for {name} {shape}")
+
+
+def random_tid2eid(vocab: int, n_experts: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[vocab, k] int64, each row k distinct experts."""
+    return torch.rand(vocab, n_experts, generator=g).argsort(dim=1)[:, :k].contiguous()
+
+
+def _materialise(
+    name: str,
+    logical: ckpt_table.TensorSpec,
+    stored: dict[str, ckpt_table.TensorSpec],
+    cfg: Dsv4Config,
+    quantized: bool,
+    seed: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the stored tensor(s) of one logical parameter: (name, value) [+ (scale name, scale)].
+
+    ``stored`` is the quantized variant's table; it decides the quantization format, and
+    ``quantized`` decides whether to keep the codes or store their exact bf16 dequantization.
+    """
+    spec = stored[name]
+    if logical.dtype == torch.int64:  # tid2eid
+        yield name, random_tid2eid(cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                                   _generator(seed, name))
+        return
+    w = master_weight(name, logical.shape, cfg, seed)
+    if spec.dtype == torch.float8_e4m3fn:
+        q, s = quant_fp8_block(w)
+        if quantized:
+            yield name, q
+            yield ckpt_table.scale_name(name), s
+        else:
+            yield name, dequant_fp8_block(q, s).to(torch.bfloat16)
+    elif spec.dtype == torch.int8:
+        q, s = quant_mxfp4(w)
+        if quantized:
+            yield name, q
+            yield ckpt_table.scale_name(name), s
+        else:
+            yield name, dequant_mxfp4(q, s).to(torch.bfloat16)
+    else:
+        yield name, w.to(spec.dtype).contiguous()
+
+
+class _ShardWriter:
+    """Writes one group's tensors into files of at most MAX_SHARD_BYTES; records the weight map."""
+
+    def __init__(self, out: Path, weight_map: dict[str, str]):
+        self.out, self.weight_map = out, weight_map
+        self.files: list[str] = []
+        self.total_bytes = 0
+
+    def write_group(self, group: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        part, buf, size = 0, {}, 0
+
+        def flush() -> None:
+            nonlocal part, buf, size
+            if not buf:
+                return
+            fname = f"model-{group}-{part:03d}.safetensors"
+            save_file(buf, str(self.out / fname), metadata={"format": "pt"})
+            (self.out / fname).chmod(0o644)
+            for n in buf:
+                self.weight_map[n] = fname
+            self.files.append(fname)
+            self.total_bytes += size
+            part, buf, size = part + 1, {}, 0
+
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if buf and size + nbytes > MAX_SHARD_BYTES:
+                flush()
+            buf[name] = t.contiguous()
+            size += nbytes
+        flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+# Copied from vLLM's vllm/tokenizers/deepseek_v4_encoding.py (full-width "｜" U+FF5C, "▁" U+2581).
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+SPECIAL_TOKENS: tuple[str, ...] = (
+    BOS_TOKEN,  # 0
+    EOS_TOKEN,  # 1
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "<｜latest_reminder｜>",
+    "｜DSML｜",  # the encoder emits "<｜DSML｜tool_calls>", "</｜DSML｜invoke>", ...
+    "<｜action｜>",
+    "<｜query｜>",
+    "<｜authority｜>",
+    "<｜domain｜>",
+    "<｜title｜>",
+    "<｜read_url｜>",
+    "<｜▁pad▁｜>",
+)
+# Control tokens hidden by skip_special_tokens; the others must stay visible in decoded text
+# (reasoning / tool parsers look for </think> and ｜DSML｜ in the text).
+_HIDDEN = {BOS_TOKEN, EOS_TOKEN, "<｜▁pad▁｜>"}
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small language model is trained on a few
+paragraphs of plain English so that the tokenizer has real merges for common words, spaces,
+digits and punctuation. This text is not meant to teach anything; it only gives the byte pair
+encoder enough material to learn useful pieces such as "the", "ing", "tion" and " and".
+
+In the beginning there was a river that ran through a quiet valley. People built houses along
+its banks, planted fields of wheat and barley, and learned to read the seasons from the colour
+of the water. When the spring floods came they moved to the hills, and when the summer was dry
+they dug wells and shared what they had. Over many years the village grew into a town, and the
+town into a city with markets, schools, libraries and a harbour full of ships.
+
+Mathematics is the study of numbers, shapes and patterns. If you add 2 and 3 you get 5; if you
+multiply 12 by 12 you get 144. A triangle has three sides, a square has four, and a circle has
+none. The answer to the question is 42, said the computer, after thinking for a very long time.
+Question: what is 7 times 8? Answer: 56. Question: how many days are in a week? Answer: 7.
+
+You are a helpful assistant. Please answer the user's question clearly and briefly. Let me think
+about this step by step. First, I will read the problem carefully. Then I will write the answer.
+The weather today is sunny with a light breeze, and the temperature will reach 21 degrees.
+def add(a, b):
+    return a + b
+print("hello, world!")  # {"name": "get_weather", "arguments": {"city": "Paris"}}
+"""
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int):
+    """A byte-level BPE (``tokenizers.Tokenizer``) with the DeepSeek special tokens at fixed ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(t, special=t in _HIDDEN, normalized=False, single_word=False, lstrip=False, rstrip=False)
+        for t in SPECIAL_TOKENS
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, 0)],
+    )
+    # The trainer registers all its special tokens as "special"; un-flag the visible markers so
+    # decode(skip_special_tokens=True) keeps them (ids and single-token matching are unchanged).
+    data = json.loads(tok.to_str())
+    for entry in data["added_tokens"]:
+        entry["special"] = entry["content"] in _HIDDEN
+    tok = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    assert tok.get_vocab_size() <= vocab_size
+    return tok
+
+
+def write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
+    tok = build_tokenizer(min(vocab_size, 1024), model_max_length)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<｜▁pad▁｜>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "legacy": True,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    preset: str,
+    *,
+    quantized: bool = True,
+    seed: int = 0,
+    num_layers: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Write config.json, shards, index, tokenizer and generation_config to ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+
+    raw = make_config(preset, quantized=quantized, num_layers=num_layers)
+    raw_q = make_config(preset, quantized=True, num_layers=num_layers)
+    raw_u = make_config(preset, quantized=False, num_layers=num_layers)
+    cfg = Dsv4Config.from_dict(raw)
+    cfg_q, cfg_u = Dsv4Config.from_dict(raw_q), Dsv4Config.from_dict(raw_u)
+
+    groups: list[tuple[str, Callable[[Dsv4Config], dict]]] = [("top", ckpt_table.top_level_tensors)]
+    groups += [(f"layer{i:03d}", lambda c, i=i: ckpt_table.layer_tensors(c, i)) for i in range(cfg.num_hidden_layers)]
+    groups += [(f"mtp{k}", lambda c, k=k: ckpt_table.mtp_tensors(c, k)) for k in range(cfg.num_nextn_predict_layers)]
+
+    weight_map: dict[str, str] = {}
+    writer = _ShardWriter(out, weight_map)
+    t0 = time.time()
+    for group, table in groups:
+        logical, stored = table(cfg_u), table(cfg_q)
+
+        def tensors(logical=logical, stored=stored):
+            for name, spec in logical.items():
+                yield from _materialise(name, spec, stored, cfg, quantized, seed)
+
+        writer.write_group(group, tensors())
+        if log:
+            log(f"{group}: done ({time.time() - t0:.1f}s, {writer.total_bytes / 2**30:.2f} GiB so far)")
+
+    index = {"metadata": {"total_size": writer.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / ckpt_table.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0},
+                   indent=2) + "\n"
+    )
+    write_tokenizer(out, cfg.vocab_size, cfg.max_position_embeddings)
+
+    # Self-check against the single table (reads headers only).
+    ckpt_table.validate(Dsv4Config.from_pretrained(out), ckpt_table.Checkpoint(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=PRESETS, required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--unquantized", action="store_true", help="store bf16 (dequantized) weights, no quantization_config")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash default: 6)")
+    args = ap.parse_args(argv)
+    t = time.time()
+    path = make_checkpoint(args.out, args.preset, quantized=not args.unquantized, seed=args.seed,
+                           num_layers=args.num_layers, log=lambda s: print(s, flush=True))
+    size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    print(f"wrote {path} ({size / 2**30:.3f} GiB) in {time.time() - t:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Prints the KV page-size tables that docs/ARCHITECTURE.md embeds (tests/kv/test_page_table.py checks)."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_checkpoint import make_config  # noqa: E402
+
+from vllm_dsv4.config import Dsv4Config  # noqa: E402
+from vllm_dsv4.kv.layout import page_size_table  # noqa: E402
+
+# (title, preset, KV dtype): the CPU path stores KV in the model dtype.
+TABLES = (
+    ("V4-Flash (43 layers), bf16 KV", "flash", torch.bfloat16, 43),
+    ("tiny preset, fp32 KV (the CI tests)", "tiny", torch.float32, None),
+)
+
+
+def render() -> str:
+    parts = []
+    for title, preset, dtype, layers in TABLES:
+        cfg = Dsv4Config.from_dict(make_config(preset, num_layers=layers))
+        parts.append(f"**{title}**\n\n{page_size_table(cfg, dtype)}")
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(render())

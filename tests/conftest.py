@@ -1,0 +1,77 @@
+"""Shared pytest fixtures: tiny random checkpoints (generated once per session) and the `gpu` marker."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def load_module_by_path(path: str | Path, name: str | None = None) -> ModuleType:
+    """Import a .py file that is not on a package path (scripts/, tests/oracle/); cached by name."""
+    path = Path(path).resolve()
+    name = name or f"_dsv4_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_make_checkpoint() -> ModuleType:
+    """scripts/make_checkpoint.py as a module (make_checkpoint, make_config, ...)."""
+    return load_module_by_path(REPO_ROOT / "scripts" / "make_checkpoint.py", "dsv4_make_checkpoint")
+
+
+def load_hf_oracle() -> ModuleType:
+    """tests/oracle/hf_oracle.py as a module (load_hf_reference, ...)."""
+    return load_module_by_path(REPO_ROOT / "tests" / "oracle" / "hf_oracle.py", "dsv4_hf_oracle")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint_module() -> ModuleType:
+    return load_make_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, make_checkpoint_module) -> Path:
+    """TINY preset, quantized (FP8 linears + MXFP4 experts), seed 0. Treat as read-only."""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_q"), "tiny", quantized=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_unquantized(tmp_path_factory, make_checkpoint_module) -> Path:
+    """TINY preset, same function stored in bf16 (no quantization_config), seed 0. Read-only."""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_u"), "tiny", quantized=False, seed=0)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without it)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

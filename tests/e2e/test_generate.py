@@ -1,0 +1,118 @@
+"""The plugin under vLLM (CPU, fp32) against transformers' DeepseekV4ForCausalLM (fp32, eager).
+
+Golden values come from transformers only; vLLM runs in its own process (run_vllm.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.oracle.hf_oracle import load_hf_reference
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_LENS = (1, 7, 129, 300, 600)
+MIXED_LENS = (3, 17, 64, 130, 200, 257, 31, 90)  # 8 concurrent requests of different lengths
+MAX_TOKENS = 32
+LOGIT_TOL = 1e-4
+ENGINE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=256 << 20)
+RUNNER = Path(__file__).with_name("run_vllm.py")
+
+
+def make_prompts(lengths, seed, vocab=1000):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+REFERENCE_PROMPTS = make_prompts(PROMPT_LENS, seed=1)
+MIXED_PROMPTS = make_prompts(MIXED_LENS, seed=2)
+
+
+def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], name: str) -> dict:
+    job = {"model": str(model), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS}
+    job_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = subprocess.run([sys.executable, str(RUNNER), str(job_path), str(out_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return torch.load(out_path, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_ckpt_unquantized):
+    """Per reference prompt: next-token log-probs at every position [L, V] and 32 greedy tokens."""
+    model = load_hf_reference(tiny_ckpt_unquantized)
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.no_grad():
+        for prompt in REFERENCE_PROMPTS:
+            ids = torch.tensor([prompt])
+            logprobs = torch.log_softmax(model(ids).logits[0].double(), -1)
+            greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+            out.append({"logprobs": logprobs, "greedy": greedy[0, len(prompt):].tolist()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_unchunked(tmp_path_factory, tiny_ckpt_unquantized):
+    batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]
+    batches += [{"prompts": [p]} for p in MIXED_PROMPTS]  # each mixed request alone
+    engine = dict(ENGINE, max_num_batched_tokens=4096)
+    return run_vllm(tmp_path_factory.mktemp("unchunked"), tiny_ckpt_unquantized, engine, batches, "unchunked")
+
+
+def vllm_next_token_logprobs(result: dict) -> torch.Tensor:
+    """[L, V]: prompt positions 1..L-1 from prompt_logprobs, then the first sampled position."""
+    return torch.cat([result["prompt_logprobs"], result["logprobs"][:1]])
+
+
+@pytest.mark.parametrize("index", range(len(PROMPT_LENS)), ids=[f"len{n}" for n in PROMPT_LENS])
+def test_logits_match_transformers(vllm_unchunked, hf_reference, index):
+    ours = vllm_next_token_logprobs(vllm_unchunked["batches"][0][index])
+    ref = hf_reference[index]["logprobs"]
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGIT_TOL, f"max |logprob diff| {diff:.3g} over {ref.shape[0]} positions"
+
+
+@pytest.mark.parametrize("index", range(len(PROMPT_LENS)), ids=[f"len{n}" for n in PROMPT_LENS])
+def test_greedy_matches_transformers_generate(vllm_unchunked, hf_reference, index):
+    assert vllm_unchunked["batches"][0][index]["tokens"] == hf_reference[index]["greedy"]
+
+
+def test_concurrent_requests_equal_requests_alone(vllm_unchunked):
+    together = [r["tokens"] for r in vllm_unchunked["batches"][1]]
+    alone = [b[0]["tokens"] for b in vllm_unchunked["batches"][2:]]
+    assert together == alone
+
+
+def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path_factory, tiny_ckpt):
+    prompts = [REFERENCE_PROMPTS[i] for i in (1, 3)]  # 7 and 300 tokens: every layer kind engaged
+    result = run_vllm(tmp_path_factory.mktemp("quant"), tiny_ckpt, dict(ENGINE, max_num_batched_tokens=4096),
+                      [{"prompts": prompts, "logprobs": True}], "quant")
+    model = load_hf_reference(tiny_ckpt)  # dequantised independently of the plugin's loader
+    with torch.no_grad():
+        for prompt, ours in zip(prompts, result["batches"][0]):
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+            diff = (vllm_next_token_logprobs(ours) - ref).abs().max().item()
+            assert diff <= LOGIT_TOL, f"len {len(prompt)}: max |logprob diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("budget", [64, 100])
+def test_chunked_prefill_equals_unchunked(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked, budget):
+    """Chunks of 64 / 100 tokens (not aligned to 128, 100 not to 4) must not change any output."""
+    batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]
+    engine = dict(ENGINE, max_num_batched_tokens=budget, enable_chunked_prefill=True)
+    result = run_vllm(tmp_path_factory.mktemp(f"chunk{budget}"), tiny_ckpt_unquantized, engine, batches,
+                      f"chunk{budget}")
+    for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
+        assert ours["tokens"] == ref["tokens"]
+        diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
+        assert diff <= LOGIT_TOL
+    assert [r["tokens"] for r in result["batches"][1]] == [r["tokens"] for r in vllm_unchunked["batches"][1]]

@@ -1,0 +1,287 @@
+"""The official tensor table, the Checkpoint reader and validate() on good and malformed checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.loader.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TensorSpec,
+    expected_tensors,
+    validate,
+)
+
+E4M3, E8M0, BF16, F32 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def load_all(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("model*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor] | None = None, config: dict | None = None) -> Path:
+    """Copy ``src``'s config/tokenizer to ``dst`` and store ``tensors`` as one model.safetensors."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in (tensors if tensors is not None else load_all(src)).items()},
+              str(dst / "model.safetensors"))
+    return dst
+
+
+def problems_of(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        validate(Dsv4Config.from_pretrained(path), Checkpoint(path))
+    return str(info.value)
+
+
+# ---- the table against the spec (§8.1) ------------------------------------------------------
+
+
+def test_flash_table_matches_spec(make_checkpoint_module):
+    cfg = Dsv4Config.from_dict(make_checkpoint_module.make_config("flash"))  # 6 layers: 0 0 4 128 4 128 + MTP 0
+    t = expected_tensors(cfg)
+    S = TensorSpec
+    want = {
+        "embed.weight": S((129280, 4096), BF16),
+        "head.weight": S((129280, 4096), BF16),
+        "hc_head_fn": S((4, 16384), F32),
+        "hc_head_scale": S((1,), F32),
+        "layers.0.hc_attn_fn": S((24, 16384), F32),
+        "layers.0.hc_ffn_scale": S((3,), F32),
+        "layers.0.attn.wq_a.weight": S((1024, 4096), E4M3),
+        "layers.0.attn.wq_a.scale": S((8, 32), E8M0),
+        "layers.0.attn.wq_b.weight": S((32768, 1024), E4M3),
+        "layers.0.attn.wq_b.scale": S((256, 8), E8M0),
+        "layers.0.attn.wkv.scale": S((4, 32), E8M0),
+        "layers.0.attn.wo_a.weight": S((8192, 4096), E4M3),
+        "layers.0.attn.wo_a.scale": S((64, 32), E8M0),
+        "layers.0.attn.wo_b.scale": S((32, 64), E8M0),
+        "layers.0.attn.attn_sink": S((64,), F32),
+        "layers.2.attn.compressor.wkv.weight": S((1024, 4096), BF16),
+        "layers.2.attn.compressor.ape": S((4, 1024), F32),
+        "layers.2.attn.compressor.norm.weight": S((512,), BF16),
+        "layers.3.attn.compressor.wgate.weight": S((512, 4096), BF16),
+        "layers.3.attn.compressor.ape": S((128, 512), F32),
+        "layers.2.attn.indexer.wq_b.weight": S((8192, 1024), E4M3),
+        "layers.2.attn.indexer.wq_b.scale": S((64, 8), E8M0),
+        "layers.2.attn.indexer.weights_proj.weight": S((64, 4096), BF16),
+        "layers.2.attn.indexer.compressor.wkv.weight": S((256, 4096), BF16),
+        "layers.2.attn.indexer.compressor.ape": S((4, 256), F32),
+        "layers.2.attn.indexer.compressor.norm.weight": S((128,), BF16),
+        "layers.0.ffn.gate.weight": S((256, 4096), BF16),
+        "layers.2.ffn.gate.tid2eid": S((129280, 6), torch.int64),
+        "layers.3.ffn.gate.bias": S((256,), F32),
+        "layers.5.ffn.experts.255.w1.weight": S((2048, 2048), torch.int8),
+        "layers.5.ffn.experts.255.w1.scale": S((2048, 128), E8M0),
+        "layers.5.ffn.experts.0.w2.weight": S((4096, 1024), torch.int8),
+        "layers.5.ffn.experts.0.w2.scale": S((4096, 64), E8M0),
+        "layers.0.ffn.shared_experts.w3.scale": S((16, 32), E8M0),
+        "layers.0.ffn.shared_experts.w2.weight": S((4096, 2048), E4M3),
+        "layers.0.ffn.shared_experts.w2.scale": S((32, 16), E8M0),
+        "mtp.0.e_proj.weight": S((4096, 4096), E4M3),
+        "mtp.0.h_proj.scale": S((32, 32), E8M0),
+        "mtp.0.hc_head_fn": S((4, 16384), F32),
+        "mtp.0.ffn.gate.bias": S((256,), F32),
+    }
+    for name, spec in want.items():
+        assert t.get(name) == spec, (name, t.get(name), spec)
+    # Which layers carry which optional parts.
+    assert not any(n.startswith(("layers.0.attn.compressor", "layers.1.attn.", "mtp.0.attn.compressor"))
+                   and "compressor" in n for n in t)
+    assert not any(n.startswith("layers.3.attn.indexer") for n in t)
+    assert [i for i in range(6) if f"layers.{i}.ffn.gate.tid2eid" in t] == [0, 1, 2]
+    assert [i for i in range(6) if f"layers.{i}.ffn.gate.bias" in t] == [3, 4, 5]
+    assert "mtp.0.ffn.gate.tid2eid" not in t and "mtp.0.embed.weight" not in t
+
+
+def test_unquantized_table_has_no_scales(make_checkpoint_module):
+    t = expected_tensors(Dsv4Config.from_dict(make_checkpoint_module.make_config("tiny", quantized=False)))
+    assert not any(n.endswith(".scale") for n in t)
+    assert t["layers.0.attn.wq_b.weight"] == TensorSpec((256, 32), BF16)
+    assert t["layers.0.ffn.experts.3.w2.weight"] == TensorSpec((64, 32), BF16)
+
+
+# ---- the generated checkpoints --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["tiny_ckpt", "tiny_ckpt_unquantized"])
+def test_generated_tiny_validates(variant, request):
+    path = request.getfixturevalue(variant)
+    cfg = Dsv4Config.from_pretrained(path)
+    assert cfg.compress_ratios == (0, 4, 128, 4, 0) and cfg.index_n_heads == 16
+    assert cfg.quantized == (variant == "tiny_ckpt")
+    ckpt = Checkpoint(path)
+    validate(cfg, ckpt)
+    assert set(ckpt.names()) == set(expected_tensors(cfg))
+    sink = ckpt.get("layers.0.attn.attn_sink")
+    assert sink.dtype == F32 and sink.shape == (4,) and sink.abs().sum() > 0
+
+
+def test_generated_tiny_randomises_zero_defaults(tiny_ckpt):
+    ckpt = Checkpoint(tiny_ckpt)
+    for name in ("layers.0.attn.attn_sink", "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape",
+                 "layers.2.ffn.gate.bias", "layers.0.hc_attn_base", "hc_head_base", "mtp.0.hc_head_base"):
+        assert ckpt.get(name).float().std() > 0.1, name
+    tid2eid = ckpt.get("layers.1.ffn.gate.tid2eid")
+    assert tid2eid.dtype == torch.int64 and tid2eid.shape == (1024, 2)
+    assert (tid2eid[:, 0] != tid2eid[:, 1]).all() and tid2eid.min() >= 0 and tid2eid.max() < 8
+    assert len(torch.unique(tid2eid)) == 8
+
+
+def test_quantized_and_unquantized_store_the_same_function(tiny_ckpt, tiny_ckpt_unquantized):
+    from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
+
+    q, u = Checkpoint(tiny_ckpt), Checkpoint(tiny_ckpt_unquantized)
+    for name in u.names():
+        a, b = q.get(name), u.get(name)
+        if a.dtype == E4M3:
+            a = dequant_fp8_block(a, q.get(name.replace(".weight", ".scale"))).to(BF16)
+        elif a.dtype == torch.int8:
+            a = dequant_mxfp4(a, q.get(name.replace(".weight", ".scale"))).to(BF16)
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), name
+
+
+def test_same_seed_same_weights_other_seed_differs(tiny_ckpt, tmp_path, make_checkpoint_module):
+    again = make_checkpoint_module.make_checkpoint(tmp_path / "again", "tiny", seed=0)
+    other = make_checkpoint_module.make_checkpoint(tmp_path / "other", "tiny", seed=1)
+    a, b, c = Checkpoint(tiny_ckpt), Checkpoint(again), Checkpoint(other)
+    name = "layers.3.ffn.experts.5.w2.weight"
+    assert torch.equal(a.get(name), b.get(name))
+    assert not torch.equal(a.get(name), c.get(name))
+
+
+def test_checkpoint_reader_single_file_and_index(tiny_ckpt, tmp_path):
+    ckpt = Checkpoint(tiny_ckpt)
+    assert ckpt.shard_of("layers.2.attn.wkv.weight") != ckpt.shard_of("embed.weight")
+    assert ckpt.spec("layers.2.attn.wkv.weight") == TensorSpec((64, 64), E4M3)
+    single = rewrite(tiny_ckpt, tmp_path / "single")
+    one = Checkpoint(single)
+    assert one.specs() == ckpt.specs()
+    assert torch.equal(one.get("head.weight"), ckpt.get("head.weight"))
+    with pytest.raises(CheckpointError, match="not in checkpoint"):
+        one.get("layers.9.attn_norm.weight")
+
+
+def test_checkpoint_reader_broken_index(tiny_ckpt, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.0.attn.ghost"] = index["weight_map"]["layers.0.attn.wkv.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.ghost"):
+        Checkpoint(broken)
+    index["weight_map"]["layers.0.attn.ghost"] = "model-nowhere.safetensors"
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="missing shard model-nowhere.safetensors"):
+        Checkpoint(broken)
+    with pytest.raises(CheckpointError, match="neither"):
+        Checkpoint(tmp_path)
+
+
+# ---- malformed checkpoints ------------------------------------------------------------------
+
+
+def test_missing_tensor(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    del t["layers.2.attn.compressor.ape"]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert "layers.2.attn.compressor.ape: missing (expected (128, 64) float32)" in msg
+    assert "1 problem" in msg
+
+
+def test_extra_tensor(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    t["layers.0.attn.compressor.ape"] = torch.zeros(4, 128)  # layer 0 is SWA-only
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert "layers.0.attn.compressor.ape: unexpected tensor (4, 128) float32" in msg
+    assert "compress_ratios" in msg
+
+
+def test_wrong_shape(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    t["layers.1.attn.wq_b.weight"] = t["layers.1.attn.wq_b.weight"][:255]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert ("layers.1.attn.wq_b.weight: expected shape (256, 32) float8_e4m3fn, "
+            "found (255, 32) float8_e4m3fn") in msg
+
+
+def test_wrong_dtype(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    t["layers.3.attn.attn_sink"] = t["layers.3.attn.attn_sink"].to(BF16)
+    t["layers.1.ffn.gate.tid2eid"] = t["layers.1.ffn.gate.tid2eid"].to(torch.int32)
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert "layers.3.attn.attn_sink: expected dtype (4,) float32, found (4,) bfloat16" in msg
+    assert "layers.1.ffn.gate.tid2eid: expected dtype (1024, 2) int64, found (1024, 2) int32" in msg
+    assert "2 problem" in msg
+
+
+def test_missing_scale(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    del t["layers.0.attn.wkv.scale"]
+    del t["layers.2.ffn.experts.7.w3.scale"]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert ("layers.0.attn.wkv.scale: missing block scale of quantized weight layers.0.attn.wkv.weight "
+            "(expected (1, 1) float8_e8m0fnu)") in msg
+    assert ("layers.2.ffn.experts.7.w3.scale: missing block scale of quantized weight "
+            "layers.2.ffn.experts.7.w3.weight (expected (32, 2) float8_e8m0fnu)") in msg
+
+
+def test_quantized_weights_with_unquantized_config(tiny_ckpt, tmp_path):
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", config=config))
+    assert "config.json has no quantization_config" in msg
+    assert "... and" in msg  # many problems, only the first 10 listed
+    assert msg.count("\n  ") == 11
+
+
+def test_many_problems_reported_together(tiny_ckpt, tmp_path):
+    t = load_all(tiny_ckpt)
+    gone = ["embed.weight", "layers.3.ffn_norm.weight", "mtp.0.enorm.weight"]
+    for n in gone:
+        del t[n]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", t))
+    assert all(f"{n}: missing" in msg for n in gone) and "3 problem" in msg
+
+
+def test_unsupported_compress_ratio(tiny_ckpt, tmp_path):
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    config["compress_ratios"] = [0, 4, 64, 4, 0]
+    path = rewrite(tiny_ckpt, tmp_path / "c", config=config)
+    with pytest.raises(ConfigError, match=r"compress_ratios has unsupported values \[64\]; supported: 0, 1, 4, 128"):
+        Dsv4Config.from_pretrained(path)
+
+
+def test_compress_ratios_too_short(tiny_ckpt, tmp_path):
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    config["compress_ratios"] = [0, 4, 128, 4]  # MTP entry missing
+    path = rewrite(tiny_ckpt, tmp_path / "c", config=config)
+    with pytest.raises(ConfigError, match=r"compress_ratios has 4 entries, expected "
+                                          r"num_hidden_layers \+ num_nextn_predict_layers = 5"):
+        Dsv4Config.from_pretrained(path)
+
+
+def test_layer_schedule_mismatch_is_named(tiny_ckpt, tmp_path):
+    # A config that says layer 2 is C4 while the weights are C128: names the compressor tensors.
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    config["compress_ratios"] = [0, 4, 4, 4, 0]
+    msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", config=config))
+    assert "layers.2.attn.compressor.wkv.weight: expected shape (128, 64) bfloat16, found (64, 64) bfloat16" in msg
+    assert "layers.2.attn.indexer.wq_b.weight: missing" in msg

@@ -1,0 +1,78 @@
+"""The transformers oracle loads our official-format tiny checkpoints and computes a sane function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.oracle.hf_oracle import (  # noqa: E402
+    hf_config_from_json,
+    load_hf_reference,
+    oracle_dequant_fp8,
+    oracle_dequant_mxfp4,
+)
+
+T_EQ = 136  # past token 127: the C128 layer emits its first compressed entry
+T_SPREAD = 64
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_ckpt, tiny_ckpt_unquantized):
+    return load_hf_reference(tiny_ckpt), load_hf_reference(tiny_ckpt_unquantized)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(15, 1024, (1, T_EQ), generator=g)  # ordinary (non-special) tokens
+
+
+def test_oracle_decoders_on_known_bytes():
+    q = torch.tensor([[0x38, 0xB8, 0x7E, 0x01]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert oracle_dequant_fp8(q, s).tolist() == [[8.0, -8.0, 448.0 * 8, 2.0**-9 * 8]]
+    p = torch.tensor([[0x71, 0xF9] + [0] * 14], dtype=torch.uint8).view(torch.int8)
+    s4 = torch.tensor([[126]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert oracle_dequant_mxfp4(p, s4)[0, :4].tolist() == [0.25, 3.0, -0.25, -3.0]
+
+
+def test_oracle_decoders_agree_with_torch_on_all_codes():
+    # Every e4m3 byte except NaN (0x7F / 0xFF) against torch's own conversion.
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes.view(1, -1).view(torch.float8_e4m3fn)
+    one = torch.tensor([[127, 127]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert torch.equal(oracle_dequant_fp8(q, one), q.float())
+
+
+def test_hf_schedule_matches_compress_ratios(tiny_ckpt):
+    raw = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg = hf_config_from_json(raw)
+    assert cfg.layer_types == ["sliding_attention", "compressed_sparse_attention",
+                               "heavily_compressed_attention", "compressed_sparse_attention"]
+    assert cfg.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe"]
+    assert cfg.rope_parameters["compress"]["rope_type"] == "yarn"
+    assert cfg.rope_parameters["main"]["rope_type"] == "default"
+
+
+def test_quantized_and_unquantized_give_identical_logits(hf_models, prompt):
+    mq, mu = hf_models
+    with torch.no_grad():
+        a, b = mq(prompt).logits, mu(prompt).logits
+    assert a.shape == (1, T_EQ, 1024)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_logits_not_degenerate(hf_models, prompt):
+    mq, _ = hf_models
+    with torch.no_grad():
+        logits = mq(prompt[:, :T_SPREAD]).logits[0]
+    assert torch.isfinite(logits).all()
+    assert logits.abs().max() < 50
+    assert (logits.std(dim=-1) > 0.1).all()
+    top1 = logits.argmax(dim=-1)
+    assert len(torch.unique(top1)) > T_SPREAD // 4, top1

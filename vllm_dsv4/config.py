@@ -1,0 +1,185 @@
+"""DeepSeek-V4 configuration as the official ``config.json`` states it, plus the layer plan.
+
+Reads the *official* (legacy) keys directly -- ``compress_ratios``, ``num_hash_layers``,
+``qk_rope_head_dim``, ``rope_scaling`` -- never transformers' normalised ``layer_types``
+(whose defaults are shifted by one layer, dsv4_architecture.md §1.2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+SWA, C4, C128 = "swa", "c4", "c128"
+_KIND_OF_RATIO = {0: SWA, 1: SWA, 4: C4, 128: C128}
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot describe a DeepSeek-V4 model."""
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN parameters applied to compressed (C4/C128) layers only (§3.2)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True)
+class Dsv4Config:
+    """The fields of an official DeepSeek-V4 ``config.json`` the model needs. Units: tokens, dims."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    compress_rope_theta: float
+    rope_theta: float
+    yarn: Yarn | None
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_hash_layers: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    num_nextn_predict_layers: int
+    max_position_embeddings: int
+    expert_dtype: str
+    quantized: bool
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """``swa`` / ``c4`` / ``c128`` for each main layer (the MTP entries are dropped)."""
+        return tuple(_KIND_OF_RATIO[r] for r in self.compress_ratios[: self.num_hidden_layers])
+
+    def compress_ratio(self, layer: int) -> int:
+        """0 for sliding-window-only layers, else 4 or 128. Layer ``num_hidden_layers`` is MTP."""
+        r = self.compress_ratios[layer]
+        return 0 if r <= 1 else r
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def index_rope_head_dim(self) -> int:
+        # The indexer rotates the same number of trailing dims as the main head (§5.5).
+        return self.qk_rope_head_dim
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Dsv4Config":
+        """Validate and convert an official config.json dict; raises ConfigError naming the key."""
+
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise ConfigError(f"config.json lacks required key {key!r}")
+            return raw[key]
+
+        num_layers = int(need("num_hidden_layers"))
+        num_mtp = int(raw.get("num_nextn_predict_layers", 0))
+        ratios = tuple(int(r) for r in need("compress_ratios"))
+        if len(ratios) < num_layers + num_mtp:
+            raise ConfigError(
+                f"compress_ratios has {len(ratios)} entries, expected "
+                f"num_hidden_layers + num_nextn_predict_layers = {num_layers + num_mtp}"
+            )
+        bad = sorted({r for r in ratios if r not in _KIND_OF_RATIO})
+        if bad:
+            raise ConfigError(f"compress_ratios has unsupported values {bad}; supported: 0, 1, 4, 128")
+        scaling = raw.get("rope_scaling") or None
+        yarn = None
+        if scaling is not None:
+            kind = scaling.get("type", scaling.get("rope_type"))
+            if kind != "yarn":
+                raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'yarn')")
+            yarn = Yarn(
+                factor=float(scaling["factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                beta_fast=float(scaling.get("beta_fast", 32)),
+                beta_slow=float(scaling.get("beta_slow", 1)),
+            )
+        heads, groups = int(need("num_attention_heads")), int(need("o_groups"))
+        if heads % groups:
+            raise ConfigError(f"num_attention_heads={heads} is not divisible by o_groups={groups}")
+        quant = raw.get("quantization_config")
+        cfg = cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            head_dim=int(need("head_dim")),
+            qk_rope_head_dim=int(need("qk_rope_head_dim")),
+            q_lora_rank=int(need("q_lora_rank")),
+            o_groups=groups,
+            o_lora_rank=int(need("o_lora_rank")),
+            sliding_window=int(need("sliding_window")),
+            compress_ratios=ratios,
+            compress_rope_theta=float(raw.get("compress_rope_theta", 160000.0)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            yarn=yarn,
+            index_n_heads=int(need("index_n_heads")),
+            index_head_dim=int(need("index_head_dim")),
+            index_topk=int(need("index_topk")),
+            n_routed_experts=int(need("n_routed_experts")),
+            n_shared_experts=int(raw.get("n_shared_experts", 1)),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_hash_layers=int(raw.get("num_hash_layers", 0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            swiglu_limit=float(raw.get("swiglu_limit", 0.0)),
+            hc_mult=int(raw.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(raw.get("hc_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_nextn_predict_layers=num_mtp,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            expert_dtype=str(raw.get("expert_dtype", "fp4") if quant else "bf16"),
+            quantized=quant is not None,
+        )
+        if cfg.n_shared_experts != 1:
+            raise ConfigError(f"n_shared_experts={cfg.n_shared_experts}; DeepSeek-V4 has exactly 1")
+        if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim > min(cfg.head_dim, cfg.index_head_dim):
+            raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} does not fit the head dims")
+        if quant is not None:
+            # vLLM rewrites quant_method to the name of the config that claimed the checkpoint.
+            fp8 = quant.get("quant_method") in ("fp8", "deepseek_v4_fp8", "dsv4_plugin_fp8")
+            if not fp8 or tuple(quant.get("weight_block_size", ())) != (128, 128):
+                raise ConfigError(f"quantization_config {quant} is not FP8 with 128x128 blocks")
+            if cfg.expert_dtype not in ("fp4", "fp8"):
+                raise ConfigError(f"expert_dtype {cfg.expert_dtype!r} is not 'fp4' or 'fp8'")
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Dsv4Config":
+        with open(Path(path) / "config.json") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "Dsv4Config":
+        """Build from vLLM's/transformers' config object (attributes keep the legacy keys)."""
+        raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        if "rope_scaling" not in raw or raw["rope_scaling"] is None:
+            raw["rope_scaling"] = getattr(hf_config, "rope_scaling", None)
+        return cls.from_dict(raw)

@@ -1,0 +1,1 @@
+"""Checkpoint reading: the official DeepSeek-V4 tensor table, validation and dequantisation."""

@@ -1,0 +1,111 @@
+"""DeepSeek-V4 attention: one shared K=V latent head over a raw-token window plus compressed history.
+
+Per layer kind (§5.7): ``swa`` attends the window only; ``c128`` adds every visible C128 entry;
+``c4`` adds the C4 entries the indexer selects. Each kind owns its cache components (kv/layout.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_dsv4 import ops
+from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.kv.layout import layer_components
+from vllm_dsv4.model.cache import CacheLayer
+from vllm_dsv4.model.compressor import Compressor
+from vllm_dsv4.model.indexer import Indexer
+from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
+
+
+def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
+    """θ=rope_theta without YaRN on window-only layers; compress θ with YaRN elsewhere (§3.2)."""
+    if ratio == 0:
+        return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    yarn = cfg.yarn
+    if yarn is None:
+        return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta)
+    return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn.factor,
+                             yarn.original_max_position_embeddings, yarn.beta_fast, yarn.beta_slow)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Dsv4Config, ratio: int, prefix: str, vllm_config, kv_dtype: torch.dtype):
+        super().__init__()
+        self.ratio, self.eps = ratio, cfg.rms_norm_eps
+        self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        self.wo_a = Linear(self.num_heads * self.head_dim // self.groups, self.groups * self.o_rank)
+        self.wo_b = Linear(self.groups * self.o_rank, cfg.hidden_size)
+        self.attn_sink = fp32_param(self.num_heads)
+        inv_freq = layer_inv_freq(cfg, ratio)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+        block = vllm_config.cache_config.block_size
+        caches = {name: CacheLayer(comp, f"{prefix}.{name}_cache", vllm_config)
+                  for name, comp in layer_components(cfg, ratio, kv_dtype, block).items()}
+        self.swa_cache = caches["swa"]
+        self.main_cache = caches.get("c4") or caches.get("c128")
+        if ratio:
+            main = "c4" if ratio == 4 else "c128"
+            self.compressor = Compressor(ratio, cfg.hidden_size, self.head_dim, self.eps, inv_freq,
+                                         caches[f"{main}_state"], self.main_cache)
+        if ratio == 4:
+            self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"])
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, D] post-attn_norm -> [T, D]."""
+        md = self.swa_cache.metadata()
+        if md is None:  # vLLM's profile / dummy run: no cache bound to this step
+            return torch.zeros_like(x)
+        num_tokens = x.shape[0]
+        q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
+        q = ops.apply_rope_tail(ops.rms_norm(q, None, self.eps), positions, self.inv_freq)  # [T, H, d]
+        kv = ops.apply_rope_tail(self.kv_norm(self.wkv(x)), positions, self.inv_freq)  # [T, d]
+
+        req = md.token_to_req
+        live = req >= 0
+        self.swa_cache.write(md, req[live], positions[live], kv[live])
+        keys, valid = self._window(md, req, positions)  # [T, W, d]
+        if self.ratio:
+            self.compressor(x, positions)
+            extra, extra_valid = self._compressed(x, q_latent, req, positions)
+            keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
+
+        o = ops.sparse_attn(q, keys, valid, self.attn_sink, self.head_dim**-0.5)  # [T, H, d]
+        o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
+        return self.wo_b(self._grouped_wo_a(o))
+
+    def _window(self, md, req, positions):
+        """The last ``window`` raw tokens up to and including each query, from the SWA cache."""
+        pos = positions[:, None] - self.window + 1 + torch.arange(self.window, device=positions.device)
+        valid = (pos >= 0) & (req[:, None] >= 0)
+        keys = self.swa_cache.read(md, req.clamp(min=0)[:, None], pos.clamp(min=0))
+        return keys, valid
+
+    def _compressed(self, x, q_latent, req, positions):
+        """Visible C128 entries (all of them) or the indexer's C4 picks, as [T, K, d] + validity."""
+        md = self.main_cache.metadata()
+        if self.ratio == 4:
+            entries = self.indexer(x, q_latent, positions)  # [T, topk]
+            valid = entries >= 0
+        else:
+            num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
+            width = max(int(num_visible.max()), 1)
+            entries = torch.arange(width, device=x.device).expand(x.shape[0], width)
+            valid = entries < num_visible[:, None]
+        valid = valid & (req[:, None] >= 0)
+        keys = self.main_cache.read(md, req.clamp(min=0)[:, None], entries.clamp(min=0))
+        return keys, valid
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal per-group down-projection (§5.6): [T, H, d] -> [T, G * o_rank]."""
+        grouped = o.reshape(o.shape[0], self.groups, -1)  # [T, G, H/G*d]
+        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # [G, R, H/G*d]
+        return torch.einsum("tgi,gri->tgr", grouped.to(w.dtype), w).flatten(1)

@@ -1,0 +1,62 @@
+"""A cache component as vLLM sees it: a layer that owns one KV-cache spec and its paged view."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+from vllm_dsv4 import compat
+from vllm_dsv4.attention.backend import CacheBackend, CacheStepMetadata
+from vllm_dsv4.kv.layout import Component
+from vllm_dsv4.kv.spec import component_spec
+
+
+class CacheLayer(nn.Module, AttentionLayerBase):
+    """Registers ``prefix`` with vLLM so the allocator gives it pages; reads/writes entries by index.
+
+    Entry ``e`` of request ``r`` lives at ``view[block_table[r, e // E], e % E]`` with E entries per
+    block. Per-token caches index entries by token position, compressed caches by entry number.
+    """
+
+    def __init__(self, component: Component, prefix: str, vllm_config):
+        super().__init__()
+        self.component = component
+        self.prefix = prefix
+        self.kv_cache = torch.tensor([])
+        context = vllm_config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_attn_backend(self):
+        return CacheBackend
+
+    def get_kv_cache_spec(self, vllm_config):
+        return component_spec(self.component)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def metadata(self) -> CacheStepMetadata | None:
+        """This step's metadata; None in vLLM's profile and dummy runs."""
+        attn_metadata = get_forward_context().attn_metadata
+        return attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
+
+    def _address(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor):
+        per_block = self.component.entries_per_block
+        block = md.block_table[req, torch.div(entry, per_block, rounding_mode="floor")]
+        return block.long(), entry % per_block
+
+    def write(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N]."""
+        view = compat.cache_view(self.kv_cache)
+        block, offset = self._address(md, req, entry)
+        view[block, offset] = values.to(view.dtype)
+
+    def read(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """Entries [..., C] at ``entry`` [...] of requests ``req`` (broadcast); ``entry`` must be >= 0."""
+        view = compat.cache_view(self.kv_cache)
+        block, offset = self._address(md, req, entry)
+        return view[block, offset]

@@ -1,0 +1,51 @@
+"""Learned gated pooling of every ``ratio`` tokens into one compressed KV entry (§5.4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_dsv4 import ops
+from vllm_dsv4.model.cache import CacheLayer
+from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
+
+
+class Compressor(nn.Module):
+    """Writes the entries closed in this step into ``out_cache``.
+
+    Every token's ``[kv | gate + ape]`` row goes to ``state_cache`` (a sliding window of the last
+    ``coff * ratio`` tokens). A token at position p with (p+1) % ratio == 0 closes entry
+    w = p // ratio: its window rows are read back, pooled, normed, roped at w * ratio and stored.
+    """
+
+    def __init__(self, ratio: int, hidden_size: int, head_dim: int, eps: float, inv_freq: torch.Tensor,
+                 state_cache: CacheLayer, out_cache: CacheLayer):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        coff = 2 if self.overlap else 1
+        self.wkv = Linear(hidden_size, coff * head_dim)
+        self.wgate = Linear(hidden_size, coff * head_dim)
+        self.ape = fp32_param(ratio, coff * head_dim)
+        self.norm = RMSNorm(head_dim, eps)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.window_tokens = coff * ratio
+        self.state_cache, self.out_cache = state_cache, out_cache
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """x [T, D] post-attn_norm hidden, positions [T]."""
+        md_state, md_out = self.state_cache.metadata(), self.out_cache.metadata()
+        req = md_state.token_to_req  # [T]
+        live = req >= 0
+        rows = ops.state_rows(self.wkv(x), self.wgate(x), self.ape, positions)  # [T, 2*coff*d] fp32
+        self.state_cache.write(md_state, req[live], positions[live], rows[live])
+
+        closing = live & ((positions + 1) % self.ratio == 0)
+        if not bool(closing.any()):
+            return
+        pos, r = positions[closing], req[closing]  # [N]
+        window = pos[:, None] - self.window_tokens + 1 + torch.arange(self.window_tokens, device=pos.device)  # [N, S]
+        valid = window >= 0
+        rows = self.state_cache.read(md_state, r[:, None], window.clamp(min=0))  # [N, S, 2*coff*d]
+        pooled = ops.compress_windows(rows, valid, self.overlap, self.head_dim)  # [N, d]
+        entry = ops.apply_rope_tail(self.norm(pooled), pos - self.ratio + 1, self.inv_freq)
+        self.out_cache.write(md_out, r, torch.div(pos, self.ratio, rounding_mode="floor"), entry)

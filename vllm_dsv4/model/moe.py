@@ -1,0 +1,71 @@
+"""Mixture of experts: hash or sqrt-softplus score routing, clamped SwiGLU experts, one shared expert (§6)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_dsv4 import ops
+from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.model.layers import Linear, fp32_param
+
+
+class Gate(nn.Module):
+    """Router. Hash layers carry ``tid2eid`` [vocab, k]; score layers a selection ``bias`` [E]."""
+
+    def __init__(self, cfg: Dsv4Config, hashed: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
+        if hashed:
+            self.tid2eid = nn.Parameter(
+                torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64), requires_grad=False
+            )
+        else:
+            self.bias = fp32_param(cfg.n_routed_experts)
+        self.top_k, self.scaling, self.renorm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
+        """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). Router logits in fp32."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        if hasattr(self, "tid2eid"):
+            return ops.route(logits, self.top_k, self.scaling, self.renorm, hash_ids=self.tid2eid[input_ids])
+        return ops.route(logits, self.top_k, self.scaling, self.renorm, bias=self.bias)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: Dsv4Config):
+        super().__init__()
+        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.swiglu_clamped(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
+
+
+class Experts(nn.Module):
+    """Routed experts stacked for the batched op: ``w13`` [E, 2I, D] (w1 rows first), ``w2`` [E, D, I]."""
+
+    def __init__(self, cfg: Dsv4Config):
+        super().__init__()
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x, weights, ids):
+        return ops.moe_experts(x, weights, ids, self.w13, self.w2, self.limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Dsv4Config, hashed: bool):
+        super().__init__()
+        self.gate = Gate(cfg, hashed)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return (self.experts(x, weights, ids) + self.shared_experts(x)).to(x.dtype)

@@ -1,0 +1,32 @@
+"""vLLM general-plugin entry point (``vllm.general_plugins`` -> ``vllm_dsv4``).
+
+vLLM calls ``register()`` once in every process it starts (front end, registry inspection,
+engine core, workers), so it is idempotent, imports nothing heavy and touches no device.
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+MODEL_CLASSES = {"DeepseekV4ForCausalLM": "vllm_dsv4.model.decoder:DeepseekV4ForCausalLM"}
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+
+    from vllm_dsv4 import compat
+
+    compat.check_supported_version()
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from vllm_dsv4.loader.quant_config import NAME, Dsv4CheckpointQuantConfig
+
+    register_quantization_config(NAME)(Dsv4CheckpointQuantConfig)
+    for arch, target in MODEL_CLASSES.items():
+        ModelRegistry.register_model(arch, target)  # replaces the in-tree class of the same name
+    if not compat.is_vllm_026():
+        compat.patch_cpu_platform()
+    _registered = True
