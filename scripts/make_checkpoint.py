@@ -515,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=PRESETS, required=True)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--unquantized", action="store_true", help="store bf16 (dequantized) weights, no quantization_config")
+    ap.add_argument("--unquantized", action="store_true",
+                    help="store bf16 (dequantized) weights, no quantization_config")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash default: 6)")
     args = ap.parse_args(argv)

@@ -6,7 +6,9 @@ process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -18,11 +20,48 @@ def dense(logprobs: dict, vocab: int) -> torch.Tensor:
     return row
 
 
+def count_preemptions() -> list:
+    """Counts the scheduler's preemptions (the engine core runs in this process: see __main__)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    calls = []
+    original = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):
+        calls.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    Scheduler._preempt_request = counted
+    return calls
+
+
+def generate_with_preemptions(llm, prompts, params, steps: set[int]) -> list:
+    """Steps the engine by hand; after each step in ``steps`` every running request but the oldest
+    is preempted through the scheduler's own method (its blocks freed, its tokens recomputed later).
+    vLLM 0.32 admits requests so that they rarely need preempting, so the test forces it."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    scheduler = engine.engine_core.engine_core.scheduler
+    finished, step = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = out
+        step += 1
+        if step in steps:
+            for request in list(scheduler.running[1:]):
+                scheduler.running.remove(request)
+                scheduler._preempt_request(request, time.monotonic())
+    return [finished[i] for i in range(len(prompts))]
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     job = json.load(open(job_path))
+    preemptions = count_preemptions()
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **job["engine"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -38,8 +77,12 @@ def main(job_path: str, out_path: str) -> None:
             prompt_logprobs=-1 if want_logprobs else None,
         )
         prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+        if batch.get("preempt_at_steps"):
+            outputs = generate_with_preemptions(llm, prompts, params, set(batch["preempt_at_steps"]))
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         results = []
-        for o in llm.generate(prompts, params, use_tqdm=False):
+        for o in outputs:
             r = {"tokens": list(o.outputs[0].token_ids)}
             if want_logprobs:
                 prompt_rows = [dense(d, vocab) for d in o.prompt_logprobs[1:]]
@@ -47,9 +90,9 @@ def main(job_path: str, out_path: str) -> None:
                 r["logprobs"] = torch.stack([dense(d, vocab) for d in o.outputs[0].logprobs])
             results.append(r)
         batches.append(results)
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if hasattr(m, "value")}
-    torch.save({"batches": batches, "metrics": metrics}, out_path)
+    torch.save({"batches": batches, "preemptions": len(preemptions)}, out_path)
 
 
 if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, for the counter
     main(sys.argv[1], sys.argv[2])

@@ -20,7 +20,7 @@ PROMPT_LENS = (1, 7, 129, 300, 600)
 MIXED_LENS = (3, 17, 64, 130, 200, 257, 31, 90)  # 8 concurrent requests of different lengths
 MAX_TOKENS = 32
 LOGIT_TOL = 1e-4
-ENGINE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=256 << 20)
+ENGINE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8)
 RUNNER = Path(__file__).with_name("run_vllm.py")
 
 
@@ -104,15 +104,38 @@ def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_pa
             assert diff <= LOGIT_TOL, f"len {len(prompt)}: max |logprob diff| {diff:.3g}"
 
 
+PREEMPT_AT_STEPS = [2, 3, 6, 9, 20]  # mid-prefill (64-token chunks) and mid-decode
+
+
+@pytest.fixture(scope="module")
+def vllm_chunked(tmp_path_factory, tiny_ckpt_unquantized):
+    """One engine per token budget, run once: reference prompts, mixed batch, mixed batch preempted."""
+    runs = {}
+
+    def run(budget: int) -> dict:
+        if budget not in runs:
+            batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS},
+                       {"prompts": MIXED_PROMPTS, "preempt_at_steps": PREEMPT_AT_STEPS}]
+            engine = dict(ENGINE, max_num_batched_tokens=budget, enable_chunked_prefill=True)
+            runs[budget] = run_vllm(tmp_path_factory.mktemp(f"chunk{budget}"), tiny_ckpt_unquantized, engine,
+                                    batches, f"chunk{budget}")
+        return runs[budget]
+
+    return run
+
+
 @pytest.mark.parametrize("budget", [64, 100])
-def test_chunked_prefill_equals_unchunked(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked, budget):
+def test_chunked_prefill_equals_unchunked(vllm_chunked, vllm_unchunked, budget):
     """Chunks of 64 / 100 tokens (not aligned to 128, 100 not to 4) must not change any output."""
-    batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]
-    engine = dict(ENGINE, max_num_batched_tokens=budget, enable_chunked_prefill=True)
-    result = run_vllm(tmp_path_factory.mktemp(f"chunk{budget}"), tiny_ckpt_unquantized, engine, batches,
-                      f"chunk{budget}")
+    result = vllm_chunked(budget)
     for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
         assert ours["tokens"] == ref["tokens"]
         diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
         assert diff <= LOGIT_TOL
     assert [r["tokens"] for r in result["batches"][1]] == [r["tokens"] for r in vllm_unchunked["batches"][1]]
+
+
+def test_preempted_requests_recompute_to_the_same_output(vllm_chunked, vllm_unchunked):
+    result = vllm_chunked(64)
+    assert result["preemptions"] > 0
+    assert [r["tokens"] for r in result["batches"][2]] == [r["tokens"] for r in vllm_unchunked["batches"][1]]

@@ -285,3 +285,100 @@ def test_layer_schedule_mismatch_is_named(tiny_ckpt, tmp_path):
     msg = problems_of(rewrite(tiny_ckpt, tmp_path / "c", config=config))
     assert "layers.2.attn.compressor.wkv.weight: expected shape (128, 64) bfloat16, found (64, 64) bfloat16" in msg
     assert "layers.2.attn.indexer.wq_b.weight: missing" in msg
+
+
+# ---- presets and tokenizer ------------------------------------------------------------------
+
+# dsv4_architecture.md §13.1, verbatim.
+SPEC_TINY = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+    "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
+    "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "sliding_window": 16,
+    "compress_ratios": [0, 4, 128, 4, 0],
+    "compress_rope_theta": 160000, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 4096,
+    "index_n_heads": 16, "index_head_dim": 32, "index_topk": 8,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "num_hash_layers": 2, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "hidden_act": "silu",
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "num_nextn_predict_layers": 1, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+
+
+def test_preset_configs(make_checkpoint_module, tiny_ckpt, tiny_ckpt_unquantized):
+    mk = make_checkpoint_module
+    q = json.loads((tiny_ckpt / "config.json").read_text())
+    u = json.loads((tiny_ckpt_unquantized / "config.json").read_text())
+    for raw in (q, u):
+        assert {k: raw[k] for k in SPEC_TINY} == SPEC_TINY
+        assert raw["torch_dtype"] == "bfloat16"
+    assert q["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    assert q["expert_dtype"] == "fp4"
+    assert "quantization_config" not in u and "expert_dtype" not in u
+
+    kt = mk.make_config("ktiny")
+    assert (kt["hidden_size"], kt["head_dim"], kt["qk_rope_head_dim"], kt["index_head_dim"], kt["index_topk"],
+            kt["n_routed_experts"], kt["num_experts_per_tok"], kt["max_position_embeddings"]) == (
+        256, 512, 64, 128, 64, 16, 4, 65536)
+    assert kt["compress_ratios"] == [0, 4, 128, 4, 0] and kt["rope_scaling"]["original_max_position_embeddings"] == 4096
+
+    fl = mk.make_config("flash")
+    assert fl["compress_ratios"] == [0, 0, 4, 128, 4, 128, 0] and fl["num_hash_layers"] == 3
+    assert (fl["hidden_size"], fl["num_attention_heads"], fl["q_lora_rank"], fl["o_groups"], fl["index_topk"],
+            fl["n_routed_experts"], fl["moe_intermediate_size"], fl["vocab_size"]) == (
+        4096, 64, 1024, 8, 512, 256, 2048, 129280)
+    fl2 = mk.make_config("flash", num_layers=2)
+    assert fl2["compress_ratios"] == [0, 0, 0] and fl2["num_hash_layers"] == 2
+    full = mk.make_config("flash", num_layers=43)
+    assert full["compress_ratios"] == [0, 0] + [4, 128] * 20 + [4] + [0]
+
+
+def _vllm_encoder():
+    """vLLM's DeepSeek-V4 chat encoder, loaded by path (stdlib-only file; avoids importing vllm)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "tokenizers" / "deepseek_v4_encoding.py"
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    module_spec = importlib.util.spec_from_file_location("dsv4_vllm_encoding", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_tokenizer_special_tokens(tiny_ckpt):
+    import tests.oracle.hf_oracle  # noqa: F401  (hides the broken vision packages before transformers)
+    from transformers import AutoTokenizer
+
+    enc = _vllm_encoder()
+    tok = AutoTokenizer.from_pretrained(str(tiny_ckpt))
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == (
+        enc.bos_token, 0, enc.eos_token, 1)
+    assert len(tok) <= 1024
+    markers = [enc.USER_SP_TOKEN, enc.ASSISTANT_SP_TOKEN, enc.LATEST_REMINDER_SP_TOKEN,
+               enc.thinking_start_token, enc.thinking_end_token, enc.dsml_token, *enc.DS_TASK_SP_TOKENS.values()]
+    for m in markers:
+        ids = tok.encode(m, add_special_tokens=False)
+        assert len(ids) == 1 and ids[0] < 16, (m, ids)
+    gen = json.loads((tiny_ckpt / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (0, 1)
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 7 times 8?"},
+                {"role": "assistant", "content": "56", "reasoning_content": "7*8=56"},
+                {"role": "user", "content": "Thanks!"}]
+    prompt = enc.encode_messages(messages, thinking_mode="thinking")
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert ids[0] == 0 and tok.decode(ids) == prompt
+    assert tok.convert_ids_to_tokens(ids[-2:]) == [enc.ASSISTANT_SP_TOKEN, enc.thinking_start_token]
+    # Markers stay visible when special tokens are skipped (reasoning / tool parsers need them).
+    assert enc.thinking_start_token in tok.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=True).find(enc.bos_token) == -1

