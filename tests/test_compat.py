@@ -62,4 +62,15 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     finally:
         CpuPlatform.check_and_update_config = original
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (True, 64)
-    assert cache.enable_prefix_caching is False
+
+
+def test_prefix_caching_is_turned_off_until_supported():
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    plugin.register()
+    hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+    hook.verify_and_update_config(cfg)
+    assert cfg.cache_config.enable_prefix_caching is False

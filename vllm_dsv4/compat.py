@@ -13,8 +13,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    off, and raises ``max_num_batched_tokens`` to ``max_model_len``, for ``deepseek_v4`` unless the
    CPU has AMX, because vLLM's own DSV4 CPU kernels need AMX. Our CPU path is our own PyTorch and
    supports chunked prefill, so ``patch_cpu_platform()`` restores the user's scheduler settings
-   after the platform hook runs. Prefix caching stays off until our prefix-cache support lands.
-   Delete when vLLM gates the rule on its own kernels being used.
+   after the platform hook runs. Delete when vLLM gates the rule on its own kernels being used.
+5. PATCH ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32): our subclass of the
+   in-tree hook keeps its quant-method rewrite and turns prefix caching off, which our cache
+   layers do not support yet (prefix-caching issue). Runs before the platform hook (4).
+   Delete when prefix caching lands.
 """
 
 from __future__ import annotations
@@ -92,7 +95,27 @@ def patch_cpu_platform() -> None:
         original(cls, vllm_config)
         if is_dsv4:
             sched.enable_chunked_prefill, sched.max_num_batched_tokens = before
-            vllm_config.cache_config.enable_prefix_caching = False
 
     check_and_update_config._dsv4_patched = True
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def patch_model_config_hook() -> None:
+    """Ledger 5: prefix caching off for DeepSeek-V4 served by the plugin."""
+    from vllm.model_executor.models import config as model_configs
+
+    in_tree = model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
+    if getattr(in_tree, "_dsv4_plugin", False):
+        return
+
+    class PluginConfigHook(in_tree):
+        _dsv4_plugin = True
+
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            in_tree.verify_and_update_config(vllm_config)
+            if vllm_config.cache_config.enable_prefix_caching:
+                logger.info("vllm-dsv4: prefix caching is not supported yet; disabling it")
+                vllm_config.cache_config.enable_prefix_caching = False
+
+    model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook

@@ -27,6 +27,7 @@ def register() -> None:
     register_quantization_config(NAME)(Dsv4CheckpointQuantConfig)
     for arch, target in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, target)  # replaces the in-tree class of the same name
+    compat.patch_model_config_hook()
     if not compat.is_vllm_026():
         compat.patch_cpu_platform()
     _registered = True

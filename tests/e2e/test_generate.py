@@ -21,6 +21,8 @@ MIXED_LENS = (3, 17, 64, 130, 200, 257, 31, 90)  # 8 concurrent requests of diff
 MAX_TOKENS = 32
 LOGIT_TOL = 1e-4
 ENGINE = dict(dtype="float32", max_model_len=1024, max_num_seqs=8)
+if torch.cuda.is_available():  # the same suite runs on the GPU device under vLLM 0.26
+    ENGINE["gpu_memory_utilization"] = 0.3
 RUNNER = Path(__file__).with_name("run_vllm.py")
 
 
