@@ -64,13 +64,14 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (True, 64)
 
 
-def test_prefix_caching_is_turned_off_until_supported():
+def test_config_hook_turns_prefix_caching_off_and_fixes_block_size():
     from types import SimpleNamespace
 
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     plugin.register()
     hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16))
     hook.verify_and_update_config(cfg)
     assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry

@@ -15,9 +15,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    supports chunked prefill, so ``patch_cpu_platform()`` restores the user's scheduler settings
    after the platform hook runs. Delete when vLLM gates the rule on its own kernels being used.
 5. PATCH ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32): our subclass of the
-   in-tree hook keeps its quant-method rewrite and turns prefix caching off, which our cache
-   layers do not support yet (prefix-caching issue). Runs before the platform hook (4).
-   Delete when prefix caching lands.
+   in-tree hook keeps its quant-method rewrite, turns prefix caching off, which our cache
+   layers do not support yet (prefix-caching issue), and sets the block size to 256 tokens
+   unless the user chose a multiple of 128 (a compressed block must hold whole C128 entries; the
+   in-tree model gets 256 from its backend's kernel block size, ours accepts any). Runs before
+   the platform hook (4). Delete the prefix-caching part when prefix caching lands.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("0.26", "0.32")
+DEFAULT_BLOCK_TOKENS = 256
+COMPRESSED_BLOCK_MULTIPLE = 128
 
 
 def vllm_version() -> str:
@@ -114,8 +118,11 @@ def patch_model_config_hook() -> None:
         @staticmethod
         def verify_and_update_config(vllm_config) -> None:
             in_tree.verify_and_update_config(vllm_config)
-            if vllm_config.cache_config.enable_prefix_caching:
+            cache = vllm_config.cache_config
+            if cache.enable_prefix_caching:
                 logger.info("vllm-dsv4: prefix caching is not supported yet; disabling it")
-                vllm_config.cache_config.enable_prefix_caching = False
+                cache.enable_prefix_caching = False
+            if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
+                cache.block_size = DEFAULT_BLOCK_TOKENS
 
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook

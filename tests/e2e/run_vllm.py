@@ -60,6 +60,12 @@ def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as the engine will; fail here, loudly, if our entry point is missing
+    entry = ModelRegistry.models["DeepseekV4ForCausalLM"]
+    assert entry.module_name.startswith("vllm_dsv4"), f"plugin not loaded: {entry}"
     job = json.load(open(job_path))
     preemptions = count_preemptions()
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, seed=0, max_logprobs=-1, disable_log_stats=False,
