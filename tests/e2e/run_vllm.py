@@ -100,5 +100,6 @@ def main(job_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    os.environ.update(json.load(open(sys.argv[1])).get("env", {}))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, for the counter
     main(sys.argv[1], sys.argv[2])

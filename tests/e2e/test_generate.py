@@ -35,8 +35,8 @@ REFERENCE_PROMPTS = make_prompts(PROMPT_LENS, seed=1)
 MIXED_PROMPTS = make_prompts(MIXED_LENS, seed=2)
 
 
-def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], name: str) -> dict:
-    job = {"model": str(model), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS}
+def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], name: str, env=None) -> dict:
+    job = {"model": str(model), "engine": engine, "batches": batches, "max_tokens": MAX_TOKENS, "env": env or {}}
     job_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     job_path.write_text(json.dumps(job))
     env = dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1")
@@ -141,3 +141,22 @@ def test_preempted_requests_recompute_to_the_same_output(vllm_chunked, vllm_unch
     result = vllm_chunked(64)
     assert result["preemptions"] > 0
     assert [r["tokens"] for r in result["batches"][2]] == [r["tokens"] for r in vllm_unchunked["batches"][1]]
+
+
+def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked):
+    """Heads, output groups, shared-expert width and experts split over 2 ranks (model/parallel.py)."""
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on GPU needs 2 GPUs")
+        env = {}
+    else:
+        if (os.cpu_count() or 1) < 2:
+            pytest.skip("TP=2 on CPU needs 2 cores")
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=2)
+    result = run_vllm(tmp_path_factory.mktemp("tp2"), tiny_ckpt_unquantized, engine,
+                      [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env)
+    for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
+        assert ours["tokens"] == ref["tokens"]
+        diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
+        assert diff <= LOGIT_TOL

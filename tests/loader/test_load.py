@@ -76,3 +76,30 @@ def test_unexpected_tensor_is_named(quantized):
     extra = list(stream(ckpt)) + [("layers.9.attn.wkv.weight", torch.zeros(2, 2))]
     with pytest.raises(CheckpointError, match=r"layers\.9\.attn\.wkv\.weight: unexpected"):
         load_official_weights(cfg, extra, empty_params(cfg, ckpt))
+
+
+def test_tensor_parallel_rank_gets_its_slice(quantized):
+    """Rank 1 of 2: second half of the heads / groups / shared width, experts 4..7 of 8."""
+    from vllm_dsv4.model.parallel import Shard
+
+    cfg, ckpt = quantized
+    full = empty_params(cfg, ckpt)
+    load_official_weights(cfg, stream(ckpt), full)
+    shard = Shard(rank=1, size=2)
+    local = {}
+    for name, p in full.items():
+        shape = list(p.shape)
+        if name.endswith(("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "shared_experts.w1.weight",
+                          "shared_experts.w3.weight", "experts.w13", "experts.w2")):
+            shape[0] //= 2
+        elif name.endswith(("attn.wo_b.weight", "shared_experts.w2.weight")):
+            shape[1] //= 2
+        local[name] = torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
+    assert load_official_weights(cfg, stream(ckpt), local, shard) == set(local)
+    half = lambda t, dim: t.chunk(2, dim)[1]  # noqa: E731
+    assert torch.equal(local["layers.1.attn.wq_b.weight"], half(full["layers.1.attn.wq_b.weight"], 0))
+    assert torch.equal(local["layers.1.attn.attn_sink"], half(full["layers.1.attn.attn_sink"], 0))
+    assert torch.equal(local["layers.1.attn.wo_b.weight"], half(full["layers.1.attn.wo_b.weight"], 1))
+    assert torch.equal(local["layers.2.ffn.shared_experts.w2.weight"], half(full["layers.2.ffn.shared_experts.w2.weight"], 1))
+    assert torch.equal(local["layers.2.ffn.experts.w13"], full["layers.2.ffn.experts.w13"][4:])
+    assert torch.equal(local["layers.0.attn.wkv.weight"], full["layers.0.attn.wkv.weight"])  # replicated

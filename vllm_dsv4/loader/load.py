@@ -9,7 +9,8 @@ import torch
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import CheckpointError, TensorSpec, expected_tensors, scale_name, validate
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
-from vllm_dsv4.loader.names import param_target
+from vllm_dsv4.loader.names import param_target, sharded_dim
+from vllm_dsv4.model.parallel import Shard
 
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -18,13 +19,21 @@ def _dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequant_mxfp4(weight, scale)
 
 
-def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter]) -> str:
+def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], shard: Shard,
+           num_experts: int) -> str | None:
+    """Copies this rank's part of ``tensor`` into its parameter; None if another rank owns it."""
     target, expert, half = param_target(name)
     if target not in params:
         raise CheckpointError(f"{name}: the model has no parameter {target!r} for it")
+    dim = sharded_dim(name)
+    if dim is not None:
+        tensor = shard.slice(tensor, dim)
     dst = params[target].data
     if expert is not None:
-        dst = dst[expert]
+        local = shard.local_expert(expert, num_experts)
+        if local is None:
+            return None
+        dst = dst[local]
         if half is not None:
             rows = dst.shape[0] // 2
             dst = dst[half * rows : (half + 1) * rows]
@@ -33,14 +42,17 @@ def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter
 
 
 def load_official_weights(
-    cfg: Dsv4Config, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
+    cfg: Dsv4Config,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    params: dict[str, torch.nn.Parameter],
+    shard: Shard = Shard(),
 ) -> set[str]:
     """Stream official (name, tensor) pairs into ``params``; returns the parameter names filled.
 
     A tensor that does not match the official table (loader/checkpoint.py) is not placed; once the
     stream ends, ``validate`` raises one CheckpointError naming every such tensor, and every missing
     one. FP8 / MXFP4 weights are held until their ``.scale`` arrives (either order). ``mtp.*`` are
-    checked but left to the MTP draft model.
+    checked but left to the MTP draft model. Under tensor parallelism each rank keeps its slice.
     """
     expected = expected_tensors(cfg)
     found: dict[str, TensorSpec] = {}
@@ -55,13 +67,13 @@ def load_official_weights(
         elif name.endswith(".weight") and scale_name(name) in expected:
             weight_name = name
         else:
-            loaded.add(_place(name, tensor, params))
+            loaded.add(_place(name, tensor, params, shard, cfg.n_routed_experts))
             continue
         partner = scale_name(weight_name) if name == weight_name else weight_name
         if partner not in held:
             held[name] = tensor
             continue
         weight, scale = (tensor, held.pop(partner)) if name == weight_name else (held.pop(partner), tensor)
-        loaded.add(_place(weight_name, _dequantize(weight, scale), params))
+        loaded.add(_place(weight_name, _dequantize(weight, scale), params, shard, cfg.n_routed_experts))
     validate(cfg, found)
-    return loaded
+    return loaded - {None}

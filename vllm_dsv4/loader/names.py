@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import re
 
-# (pattern over the official name, replacement giving our parameter name, row slice selector)
-# The selector names which part of a stacked parameter the tensor fills: None = whole parameter,
-# ("expert", half) = experts.w13[e][half] or experts.w2[e].
 RENAMES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.\1"),
     (re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"\1.hc_\2.\3"),
@@ -15,6 +12,19 @@ RENAMES: tuple[tuple[re.Pattern, str], ...] = (
 # Routed experts are stacked: w1 -> w13[e, :I], w3 -> w13[e, I:], w2 -> w2[e].
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 EXPERT_TARGET = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
+
+
+# Tensors split across tensor-parallel ranks, and along which dim (model/parallel.py says why).
+SHARDED_DIM: tuple[tuple[re.Pattern, int], ...] = (
+    (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight)$"), 0),
+    (re.compile(r"\.attn\.wo_b\.weight$"), 1),
+    (re.compile(r"\.shared_experts\.(w1|w3)\.weight$"), 0),
+    (re.compile(r"\.shared_experts\.w2\.weight$"), 1),
+)
+
+
+def sharded_dim(name: str) -> int | None:
+    return next((dim for pattern, dim in SHARDED_DIM if pattern.search(name)), None)
 
 
 def param_target(name: str) -> tuple[str, int | None, int | None]:

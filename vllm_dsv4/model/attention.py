@@ -16,6 +16,7 @@ from vllm_dsv4.model.cache import CacheLayer
 from vllm_dsv4.model.compressor import Compressor
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
+from vllm_dsv4.model.parallel import Shard
 
 
 def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
@@ -30,17 +31,21 @@ def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Dsv4Config, ratio: int, prefix: str, vllm_config, kv_dtype: torch.dtype):
+    """Returns this rank's partial output: its heads and output groups (model/parallel.py)."""
+
+    def __init__(self, cfg: Dsv4Config, ratio: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard):
         super().__init__()
         self.ratio, self.eps = ratio, cfg.rms_norm_eps
-        self.num_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
-        self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.head_dim, self.window, self.o_rank = cfg.head_dim, cfg.sliding_window, cfg.o_lora_rank
+        self.num_heads = shard.part(cfg.num_attention_heads, "num_attention_heads")
+        self.groups = shard.part(cfg.o_groups, "o_groups")
+        heads_per_group = cfg.num_attention_heads // cfg.o_groups
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
         self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
         self.wkv = Linear(cfg.hidden_size, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.wo_a = Linear(self.num_heads * self.head_dim // self.groups, self.groups * self.o_rank)
+        self.wo_a = Linear(heads_per_group * self.head_dim, self.groups * self.o_rank)
         self.wo_b = Linear(self.groups * self.o_rank, cfg.hidden_size)
         self.attn_sink = fp32_param(self.num_heads)
         inv_freq = layer_inv_freq(cfg, ratio)

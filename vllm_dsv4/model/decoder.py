@@ -12,24 +12,28 @@ from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import MoE
+from vllm_dsv4.model.parallel import Shard, all_reduce, check_divisible, current_shard
 
 
 class Block(nn.Module):
     """mHC-wrapped attention and MoE sub-layers over the n residual streams (§2)."""
 
-    def __init__(self, cfg: Dsv4Config, layer: int, prefix: str, vllm_config, kv_dtype: torch.dtype):
+    def __init__(self, cfg: Dsv4Config, layer: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard):
         super().__init__()
+        self.shard = shard
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(cfg), HyperConnection(cfg)
-        self.attn = Attention(cfg, cfg.compress_ratio(layer), f"{prefix}.attn", vllm_config, kv_dtype)
-        self.ffn = MoE(cfg, hashed=layer < cfg.num_hash_layers)
+        self.attn = Attention(cfg, cfg.compress_ratio(layer), f"{prefix}.attn", vllm_config, kv_dtype, shard)
+        self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         y, post, comb = self.hc_attn.pre(streams)
-        streams = self.hc_attn.post(self.attn(self.attn_norm(y), positions), streams, post, comb)
+        out = all_reduce(self.attn(self.attn_norm(y), positions), self.shard)
+        streams = self.hc_attn.post(out, streams, post, comb)
         y, post, comb = self.hc_ffn.pre(streams)
-        return self.hc_ffn.post(self.ffn(self.ffn_norm(y), input_ids), streams, post, comb)
+        out = all_reduce(self.ffn(self.ffn_norm(y), input_ids), self.shard)
+        return self.hc_ffn.post(out, streams, post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -38,11 +42,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         self.cfg = cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
+        self.shard = shard = current_shard()
+        check_divisible(cfg, shard)
         dtype = vllm_config.model_config.dtype
         self.hc_mult = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Block(cfg, i, f"{prefix}layers.{i}" if not prefix else f"{prefix}.layers.{i}", vllm_config, dtype)
+            Block(cfg, i, f"{prefix}.layers.{i}" if prefix else f"layers.{i}", vllm_config, dtype, shard)
             for i in range(cfg.num_hidden_layers)
         )
         self.hc_head = HyperHead(cfg)
@@ -70,4 +76,4 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm_dsv4.loader.load import load_official_weights
 
-        return load_official_weights(self.cfg, weights, dict(self.named_parameters()))
+        return load_official_weights(self.cfg, weights, dict(self.named_parameters()), self.shard)

@@ -9,6 +9,7 @@ from torch import nn
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_param
+from vllm_dsv4.model.parallel import Shard
 
 
 class Gate(nn.Module):
@@ -34,11 +35,14 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: Dsv4Config):
+    """This rank's slice of the shared expert's intermediate dim (a partial output)."""
+
+    def __init__(self, cfg: Dsv4Config, shard: Shard):
         super().__init__()
-        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
-        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size)
-        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size)
+        inter = shard.part(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.w1 = Linear(cfg.hidden_size, inter)
+        self.w3 = Linear(cfg.hidden_size, inter)
+        self.w2 = Linear(inter, cfg.hidden_size)
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,25 +50,32 @@ class SharedExpert(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked for the batched op: ``w13`` [E, 2I, D] (w1 rows first), ``w2`` [E, D, I]."""
+    """This rank's routed experts, stacked: ``w13`` [E_local, 2I, D] (w1 rows first), ``w2`` [E_local, D, I]."""
 
-    def __init__(self, cfg: Dsv4Config):
+    def __init__(self, cfg: Dsv4Config, shard: Shard):
         super().__init__()
-        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e, i, d = shard.part(cfg.n_routed_experts, "n_routed_experts"), cfg.moe_intermediate_size, cfg.hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        self.first_expert, self.num_local = shard.rank * e, e
         self.limit = cfg.swiglu_limit
 
     def forward(self, x, weights, ids):
-        return ops.moe_experts(x, weights, ids, self.w13, self.w2, self.limit)
+        """Partial output over this rank's experts: other ranks' picks get weight 0."""
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        return ops.moe_experts(x, weights, local.clamp(0, self.num_local - 1), self.w13, self.w2, self.limit)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: Dsv4Config, hashed: bool):
+    """Returns this rank's partial output (model/parallel.py)."""
+
+    def __init__(self, cfg: Dsv4Config, hashed: bool, shard: Shard):
         super().__init__()
         self.gate = Gate(cfg, hashed)
-        self.experts = Experts(cfg)
-        self.shared_experts = SharedExpert(cfg)
+        self.experts = Experts(cfg, shard)
+        self.shared_experts = SharedExpert(cfg, shard)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
