@@ -1,16 +1,32 @@
-"""The op implementations the model calls. Chosen once, at import.
+"""The op implementations the model calls, chosen once, at import.
 
-Today every op is the PyTorch reference in ``csrc_triton/*_ref.py`` (also the CPU path); the GPU
-issue swaps in the Triton kernels / vendored FlashMLA here, keeping these names and signatures.
+With CUDA, the Triton kernels of ``csrc_triton/<op>.py`` (each tested against its reference in
+tests/csrc_triton); otherwise the PyTorch references ``csrc_triton/<op>_ref.py``, which are the CPU
+path. Same names and signatures either way. Ops without a kernel yet use the reference everywhere.
 """
 
-from csrc_triton.compressor_ref import compress_windows, state_rows
-from csrc_triton.indexer_ref import indexer_topk
-from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
+import torch
+
+from csrc_triton.mhc_ref import hc_head
 from csrc_triton.norm_ref import rms_norm
-from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
-from csrc_triton.routing_ref import moe_experts, route, swiglu_clamped
-from csrc_triton.sparse_attn_ref import sparse_attn
+from csrc_triton.rope_ref import rope_inv_freq
+from csrc_triton.routing_ref import moe_experts, swiglu_clamped
+from csrc_triton.compressor_ref import state_rows
+
+if torch.cuda.is_available():
+    from csrc_triton.compressor import compress_windows
+    from csrc_triton.indexer_topk import indexer_topk
+    from csrc_triton.mhc import mhc_post, mhc_pre
+    from csrc_triton.rope import apply_rope_tail
+    from csrc_triton.routing import route
+    from csrc_triton.sparse_attn import sparse_attn
+else:
+    from csrc_triton.compressor_ref import compress_windows
+    from csrc_triton.indexer_ref import indexer_topk
+    from csrc_triton.mhc_ref import mhc_post, mhc_pre
+    from csrc_triton.rope_ref import apply_rope_tail
+    from csrc_triton.routing_ref import route
+    from csrc_triton.sparse_attn_ref import sparse_attn
 
 __all__ = [
     "apply_rope_tail",

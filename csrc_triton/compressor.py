@@ -1,0 +1,79 @@
+"""KV compressor window pooling, Triton (dsv4_architecture.md §5.4; also the indexer's compressor, §5.5).
+
+Matches :func:`compressor_ref.compress_windows`: per entry and channel, a softmax over the window's
+valid slots of the score, weighting the value; invalid slots are never read (NaN / inf in an unfilled
+cache slot is harmless), a window with no valid slot yields 0. One program per (entry, block of
+channels) holds the ``[S, BLOCK_D]`` values and scores in registers (S = 8 for CSA, 128 for HCA).
+
+Bytes: reads ``N * S * 2 * d * 4`` of the fp32 rows (only the half of each CSA row that the entry uses)
++ the mask, writes ``N * d * 4``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _compress_windows_kernel(
+    rows_ptr, valid_ptr, out_ptr,
+    S, d, m,
+    s_rn, s_rs, s_rc, s_vn, s_vs, s_on, s_od,
+    OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    w = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)  # [BS] slot, oldest first
+    e = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channel
+    ok = tl.load(valid_ptr + w * s_vn + s * s_vs, mask=s < S, other=0) != 0  # [BS]
+    if OVERLAP:
+        half = (s >= m).to(tl.int32)  # CSA: slots [0, m) use the A half, [m, 2m) the B half
+        kv_col = half * d  # [BS]
+        score_col = 2 * d + half * d
+    else:
+        kv_col = 0 * s
+        score_col = d + 0 * s
+    mask = ok[:, None] & (e < d)[None, :]  # [BS, BD]
+    base = rows_ptr + w * s_rn + s[:, None] * s_rs
+    kv = tl.load(base + (kv_col[:, None] + e[None, :]) * s_rc, mask=mask, other=0.0).to(tl.float32)
+    score = tl.load(base + (score_col[:, None] + e[None, :]) * s_rc, mask=mask, other=float("-inf"))
+    score = score.to(tl.float32)  # [BS, BD]
+    mx = tl.max(score, 0)  # [BD] -inf when the window has no valid slot
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    p = tl.exp(score - mx[None, :])  # [BS, BD] 0 on invalid slots
+    denom = tl.sum(p, 0)
+    out = tl.sum(p * kv, 0) / tl.where(denom > 0, denom, 1.0)  # [BD]
+    tl.store(out_ptr + w * s_on + e * s_od, out, mask=e < d)
+
+
+def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tensor:
+    """Triton :func:`compressor_ref.compress_windows` (same arguments and result).
+
+    Args:
+        rows: ``[N, S, 2*c*d]`` state rows (fp32; bf16 accepted), any strides.
+        valid: ``[N, S]`` bool.
+        overlap: CSA layout (c = 2, S = 2m) or HCA (c = 1, S = m).
+        d: output width.
+
+    Returns:
+        ``[N, d]`` fp32.
+    """
+    N, S, width = rows.shape
+    c = 2 if overlap else 1
+    assert width == 2 * c * d, (rows.shape, overlap, d)
+    assert not overlap or S % 2 == 0, S
+    assert valid.shape == (N, S) and valid.dtype == torch.bool, (valid.shape, valid.dtype)
+    assert rows.dtype in (torch.float32, torch.bfloat16), rows.dtype
+    out = torch.empty(N, d, dtype=torch.float32, device=rows.device)
+    if N == 0 or d == 0:
+        return out
+    block_s = triton.next_power_of_2(S)
+    block_d = max(16, min(triton.next_power_of_2(d), 4096 // block_s))  # [S, BLOCK_D] tiles of 4K values
+    _compress_windows_kernel[(N, triton.cdiv(d, block_d))](
+        rows, valid, out, S, d, S // 2 if overlap else S,
+        *rows.stride(), *valid.stride(), *out.stride(),
+        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d,
+    )
+    return out

@@ -1,0 +1,150 @@
+"""Kernel vs reference on the GPU: µs, GB/s and % of H200 HBM peak (4.8 TB/s). A benchmark, not a test.
+
+    python scripts/bench_kernels.py [--op sparse_attn] [--rep 200]
+
+One case table (V4-Flash shapes, bf16 activations unless the op is fp32 by definition); inputs come
+from tests/csrc_triton/kernel_cases.py, the same builders the kernel tests use. GB/s counts the bytes
+the op must move (the ``*_bytes`` helpers there), so the % column is a roofline fraction for the
+kernel line; the reference line is timed on the same bytes for comparison. Each case first checks the
+kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
+Skips (exit 0) without CUDA. vLLM's in-tree ops are not timed here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_PEAK_BYTES_PER_S = 4.8e12
+BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: ``build()`` gives the positional arguments shared by kernel and reference."""
+
+    op: str
+    label: str
+    build: Callable[[], tuple]
+    bytes_moved: int
+
+
+def cases() -> list[Case]:
+    from tests.csrc_triton import kernel_cases as kc
+
+    H, d, K = 64, 512, 128 + 512
+    rows = [
+        Case("sparse_attn", f"decode T=64 H={H} K={K} d={d}",
+             lambda: kc.sparse_attn_args(64, H, K, d, BF16, p_valid=1.0, empty_row=False),
+             kc.sparse_attn_bytes(64, H, K, d, BF16)),
+        Case("sparse_attn", f"prefill T=1024 H={H} K={K} d={d}",
+             lambda: kc.sparse_attn_args(1024, H, K, d, BF16, p_valid=1.0, empty_row=False),
+             kc.sparse_attn_bytes(1024, H, K, d, BF16)),
+        Case("sparse_attn_paged", f"decode T=64 H={H} K={K} d={d}, 4096 blocks x 64",
+             lambda: kc.sparse_attn_paged_args(64, H, K, d, BF16, num_blocks=4096, entries=64, p_valid=1.0),
+             kc.sparse_attn_bytes(64, H, K, d, BF16) + 64 * K * 16),
+        Case("mhc_pre", "decode T=1 n=4 D=4096", lambda: kc.mhc_pre_args(1, 4, 4096, BF16),
+             kc.mhc_pre_bytes(1, 4, 4096, BF16)),
+        Case("mhc_pre", "batch T=64 n=4 D=4096", lambda: kc.mhc_pre_args(64, 4, 4096, BF16),
+             kc.mhc_pre_bytes(64, 4, 4096, BF16)),
+        Case("mhc_pre", "prefill T=4096 n=4 D=4096", lambda: kc.mhc_pre_args(4096, 4, 4096, BF16),
+             kc.mhc_pre_bytes(4096, 4, 4096, BF16)),
+        Case("mhc_post", "batch T=64 n=4 D=4096", lambda: kc.mhc_post_args(64, 4, 4096, BF16),
+             kc.mhc_post_bytes(64, 4, 4096, BF16)),
+        Case("mhc_post", "prefill T=4096 n=4 D=4096", lambda: kc.mhc_post_args(4096, 4, 4096, BF16),
+             kc.mhc_post_bytes(4096, 4, 4096, BF16)),
+        Case("compress_windows", "C4 prefill N=1024 S=8 d=512", lambda: kc.compress_args(1024, 4, 512, True),
+             kc.compress_bytes(1024, 8, 512, torch.float32)),
+        Case("compress_windows", "indexer prefill N=1024 S=8 d=128", lambda: kc.compress_args(1024, 4, 128, True),
+             kc.compress_bytes(1024, 8, 128, torch.float32)),
+        Case("compress_windows", "C128 prefill N=32 S=128 d=512", lambda: kc.compress_args(32, 128, 512, False),
+             kc.compress_bytes(32, 128, 512, torch.float32)),
+        Case("indexer_topk", "decode Tq=64 N=16384 H=64 di=128 top-512",
+             lambda: kc.indexer_args([16384] * 64, 16384, 64, 128, 512, BF16),
+             kc.indexer_bytes(64, 64, 128, 16384, 512, BF16)),
+        Case("indexer_topk", "prefill Tq=4096 N=1024 (causal) top-512",
+             lambda: kc.indexer_args([(p + 1) // 4 for p in range(4096)], 1024, 64, 128, 512, BF16),
+             kc.indexer_bytes(4096, 64, 128, 1024, 512, BF16)),
+        Case("route", "decode T=64 E=256 k=6", lambda: kc.route_args(64, 256, 6), kc.route_bytes(64, 256, 6)),
+        Case("route", "prefill T=4096 E=256 k=6", lambda: kc.route_args(4096, 256, 6), kc.route_bytes(4096, 256, 6)),
+        Case("route", "hash T=4096 E=256 k=6", lambda: kc.route_args(4096, 256, 6, hashed=True),
+             kc.route_bytes(4096, 256, 6)),
+        Case("apply_rope_tail", "q T=4096 H=64 d=512 r=64", lambda: kc.rope_args(4096, (64,), 512, 64, BF16),
+             kc.rope_bytes(4096, 64, 512, BF16)),
+        Case("apply_rope_tail", "kv T=4096 d=512 r=64", lambda: kc.rope_args(4096, (), 512, 64, BF16),
+             kc.rope_bytes(4096, 1, 512, BF16)),
+    ]
+    return rows
+
+
+def implementations(op: str) -> tuple[Callable, Callable]:
+    """(kernel, reference) of an op; the paged attention's reference gathers first."""
+    from csrc_triton import (compressor, compressor_ref, indexer_ref, indexer_topk, mhc, mhc_ref, rope, rope_ref,
+                             routing, routing_ref, sparse_attn, sparse_attn_ref)
+    from tests.csrc_triton.kernel_cases import gather_paged
+
+    def paged_ref(q, cache, block_ids, offsets, valid, sink, scale):
+        return sparse_attn_ref.sparse_attn(q, gather_paged(cache, block_ids, offsets), valid, sink, scale)
+
+    return {
+        "sparse_attn": (sparse_attn.sparse_attn, sparse_attn_ref.sparse_attn),
+        "sparse_attn_paged": (sparse_attn.sparse_attn_paged, paged_ref),
+        "mhc_pre": (mhc.mhc_pre, mhc_ref.mhc_pre),
+        "mhc_post": (mhc.mhc_post, mhc_ref.mhc_post),
+        "compress_windows": (compressor.compress_windows, compressor_ref.compress_windows),
+        "indexer_topk": (indexer_topk.indexer_topk, indexer_ref.indexer_topk),
+        "route": (routing.route, routing_ref.route),
+        "apply_rope_tail": (rope.apply_rope_tail, rope_ref.apply_rope_tail),
+    }[op]
+
+
+def max_abs_diff(op: str, a, b) -> float:
+    """Largest |kernel - reference| over the (tuple of) float outputs; index outputs are skipped and
+    routing weights are compared in expert-id order (the top-k slot order is unspecified)."""
+    if op == "route":
+        a, b = (w.gather(1, i.argsort(1)) for w, i in (a, b))
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    diffs = [(x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x.is_floating_point() and x.numel()]
+    return max(diffs, default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--op", help="only this op (e.g. sparse_attn)")
+    parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA, skipped")
+        return
+    from triton.testing import do_bench
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; % of {HBM_PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
+    header = f"{'op':<18} {'case':<46} {'impl':<7} {'µs':>9} {'GB/s':>8} {'%peak':>6} {'x ref':>6}  max|diff|"
+    print(header)
+    print("-" * len(header))
+    for case in cases():
+        if args.op and case.op != args.op:
+            continue
+        kernel, ref = implementations(case.op)
+        inputs = case.build()
+        diff = max_abs_diff(case.op, kernel(*inputs), ref(*inputs))
+        times = {name: do_bench(lambda f=f: f(*inputs), warmup=25, rep=args.rep, return_mode="median")
+                 for name, f in (("triton", kernel), ("ref", ref))}
+        for name, ms in times.items():
+            gbs = case.bytes_moved / (ms * 1e-3) / 1e9
+            print(f"{case.op:<18} {case.label:<46} {name:<7} {ms * 1e3:9.1f} {gbs:8.0f} "
+                  f"{100 * gbs * 1e9 / HBM_PEAK_BYTES_PER_S:5.1f}% {times['ref'] / ms:6.2f}"
+                  + (f"  {diff:.2e}" if name == "triton" else ""))
+        del inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Input builders, tolerances and the device switch shared by the kernel tests and scripts/bench_kernels.py.
+
+Where kernels run: on CUDA when there is a GPU; otherwise only under Triton's interpreter, on CPU
+tensors. Triton decides interpretation when ``triton`` is imported (its own ``tl.*`` helpers are
+decorated then), so it cannot be switched per test: the CPU run of the kernel tests is its own
+process, ``TRITON_INTERPRET=1 pytest tests/csrc_triton -k kernel``. Without CUDA and without that
+variable the kernel tests skip (``SKIP_REASON``).
+
+Each builder returns the positional arguments of the reference function (and of the kernel launcher,
+which has the same signature), with every parameter that defaults to zero randomised (style §6.6).
+
+Tolerances (kernel vs reference, compared in float64): fp32 inputs ``|diff| <= 1e-5 + 1e-5 |ref|``;
+bf16 inputs ``|diff| <= 1e-2 + 1e-2 |ref|`` (one bf16 ulp of outputs up to 4 is 1.6e-2, and the
+kernel and the reference may round the same fp32 value to neighbouring bf16 values) and cosine
+similarity > 0.9999.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+ON_GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+SKIP_REASON = "" if ON_GPU or INTERPRET else (
+    "no CUDA: run the kernel tests in their own process, TRITON_INTERPRET=1 pytest tests/csrc_triton -k kernel"
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+DTYPE_IDS = ["fp32", "bf16"]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(g: torch.Generator, *shape: int, dtype=torch.float32, device=DEVICE, scale: float = 1.0) -> Tensor:
+    """Drawn on the CPU generator (same values on every device), then cast and moved; tensors of
+    more than 2^22 values (benchmark sizes) are drawn on the device, seeded from ``g``."""
+    if math.prod(shape) <= 1 << 22 or torch.device(device).type == "cpu":
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
+    gd = torch.Generator(device=device).manual_seed(int(torch.randint(0, 1 << 31, (1,), generator=g)))
+    return (scale * torch.randn(*shape, generator=gd, device=device)).to(dtype)
+
+
+def assert_close(out: Tensor, ref: Tensor, in_dtype: torch.dtype, what: str = "") -> None:
+    """Kernel vs reference with the module's tolerances (fp32: 1e-5; bf16: 1e-2 + cosine)."""
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert out.dtype == ref.dtype, (what, out.dtype, ref.dtype)
+    o, r = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(o).all() == torch.isfinite(r).all(), what
+    tol = 1e-5 if in_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(o, r, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
+    if in_dtype != torch.float32 and r.numel() and r.norm() > 0:
+        cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()
+        assert cos > 0.9999, (what, cos)
+
+
+# ------------------------------------------------------------------------------ sparse_attn §5.3
+def sparse_attn_args(T: int, H: int, K: int, d: int, dtype=torch.float32, p_valid: float = 0.7,
+                     seed: int = 0, device=DEVICE, empty_row: bool = True) -> tuple:
+    """``(q [T,H,d], kv [T,K,d], valid [T,K], sink [H], scale)``; row 0 all-invalid when T > 1 (and
+    ``empty_row``), NaN in every invalid slot (what an unfilled cache slot may hold)."""
+    g = _gen(seed)
+    q = _randn(g, T, H, d, dtype=dtype, device=device)
+    kv = _randn(g, T, K, d, dtype=dtype, device=device)
+    valid = torch.rand(T, K, generator=g) < p_valid  # [T, K]
+    if T > 1 and empty_row:
+        valid[0] = False
+    kv[~valid.to(device)] = float("nan")
+    sink = _randn(g, H, device=device, scale=2.0)
+    return q, kv, valid.to(device), sink, d**-0.5
+
+
+def sparse_attn_paged_args(T: int, H: int, K: int, d: int, dtype=torch.float32, num_blocks: int = 5,
+                           entries: int = 8, p_valid: float = 0.7, seed: int = 0, device=DEVICE) -> tuple:
+    """``(q, cache [N, E, d] strided view, block_ids, offsets, valid, sink, scale)``; invalid slots
+    carry id -1. The cache is a view into a wider page (stride(0) > E * d, as in vLLM's layout)."""
+    g = _gen(seed)
+    q = _randn(g, T, H, d, dtype=dtype, device=device)
+    sink = _randn(g, H, device=device, scale=2.0)
+    valid = torch.rand(T, K, generator=g) < p_valid  # [T, K]
+    if T > 1:
+        valid[0] = False
+    page = _randn(g, num_blocks, entries + 3, d + 8, dtype=dtype, device=device)
+    cache = page[:, 2 : 2 + entries, 5 : 5 + d]  # [N, E, d] non-contiguous
+    block_ids = torch.randint(0, num_blocks, (T, K), generator=g)  # [T, K] int64
+    offsets = torch.randint(0, entries, (T, K), generator=g, dtype=torch.int32)  # [T, K]
+    block_ids[~valid] = -1
+    offsets[~valid] = -1
+    return q, cache, block_ids.to(device), offsets.to(device), valid.to(device), sink, d**-0.5
+
+
+def gather_paged(cache: Tensor, block_ids: Tensor, offsets: Tensor) -> Tensor:
+    """``cache[block_ids, offsets]`` with -1 ids clamped (those slots are invalid): ``[T, K, d]``."""
+    return cache[block_ids.clamp(min=0).long(), offsets.clamp(min=0).long()]
+
+
+def sparse_attn_bytes(T: int, H: int, K: int, d: int, dtype: torch.dtype) -> int:
+    """Bytes the op must move: keys once per token, q and out once, the mask."""
+    e = torch.finfo(dtype).bits // 8
+    return T * K * d * e + 2 * T * H * d * e + T * K
+
+
+# -------------------------------------------------------------------------------------- mHC §4
+def mhc_pre_args(T: int, n: int, D: int, dtype=torch.float32, sinkhorn_iters: int = 20, seed: int = 0,
+                 device=DEVICE) -> tuple:
+    """``(x [T,n,D], fn [(2+n)n, nD], base, scale [3], rms_eps, hc_eps, sinkhorn_iters)``."""
+    g = _gen(seed)
+    M = (2 + n) * n
+    x = _randn(g, T, n, D, dtype=dtype, device=device)
+    fn = _randn(g, M, n * D, device=device, scale=(n * D) ** -0.5)
+    base = _randn(g, M, device=device)
+    scale = (0.5 + torch.rand(3, generator=g)).to(device)
+    return x, fn, base, scale, 1e-6, 1e-6, sinkhorn_iters
+
+
+def mhc_post_args(T: int, n: int, D: int, dtype=torch.float32, seed: int = 0, device=DEVICE) -> tuple:
+    """``(o [T,D], x [T,n,D], post [T,n] fp32, comb [T,n,n] fp32)``."""
+    g = _gen(seed)
+    o = _randn(g, T, D, dtype=dtype, device=device)
+    x = _randn(g, T, n, D, dtype=dtype, device=device)
+    post = (2 * torch.rand(T, n, generator=g)).to(device)
+    comb = torch.rand(T, n, n, generator=g).to(device)
+    return o, x, post, comb
+
+
+def mhc_pre_bytes(T: int, n: int, D: int, dtype: torch.dtype) -> int:
+    """X twice (the coefficients of y need all of X first), y, fn once."""
+    e = torch.finfo(dtype).bits // 8
+    return 2 * T * n * D * e + T * D * e + (2 + n) * n * n * D * 4
+
+
+def mhc_post_bytes(T: int, n: int, D: int, dtype: torch.dtype) -> int:
+    e = torch.finfo(dtype).bits // 8
+    return T * D * e + 2 * T * n * D * e
+
+
+# ------------------------------------------------------------------------------- compressor §5.4
+def compress_args(N: int, m: int, d: int, overlap: bool, dtype=torch.float32, seed: int = 0,
+                  device=DEVICE) -> tuple:
+    """``(rows [N, S, 2cd], valid [N, S], overlap, d)`` with S = 2m (CSA) or m (HCA). Invalid: the
+    first slot of entry 0 (all A slots for CSA), the last slot of the last entry, all of entry 1 when
+    N >= 3; invalid slots hold NaN, one holds inf."""
+    g = _gen(seed)
+    c, S = (2, 2 * m) if overlap else (1, m)
+    rows = _randn(g, N, S, 2 * c * d, device="cpu", scale=2.0)
+    valid = torch.ones(N, S, dtype=torch.bool)
+    if N:
+        valid[0, : (m if overlap else 1)] = False
+        valid[-1, -1] = False
+    if N >= 3:
+        valid[1] = False
+    rows[~valid] = float("nan")
+    if N:
+        rows[0, 0] = float("inf")
+    return rows.to(dtype).to(device), valid.to(device), overlap, d
+
+
+def compress_bytes(N: int, S: int, d: int, dtype: torch.dtype) -> int:
+    e = torch.finfo(dtype).bits // 8
+    return N * S * 2 * d * e + N * S + N * d * 4
+
+
+# ---------------------------------------------------------------------------------- indexer §5.5
+def indexer_args(num_visible: list[int], N: int, H: int, di: int, topk: int, dtype=torch.float32,
+                 seed: int = 0, device=DEVICE) -> tuple:
+    """``(q [Tq,H,di], weights [Tq,H], keys [N,di], num_visible [Tq] int64, topk)``; weights carry
+    the caller's ``di**-0.5 * H**-0.5`` and both signs."""
+    g = _gen(seed)
+    Tq = len(num_visible)
+    q = _randn(g, Tq, H, di, dtype=dtype, device=device)
+    keys = _randn(g, N, di, dtype=dtype, device=device)
+    weights = _randn(g, Tq, H, device=device, scale=(di * H) ** -0.5)
+    return q, weights, keys, torch.tensor(num_visible, dtype=torch.int64, device=device), topk
+
+
+def indexer_ref_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+    """``[Tq, N]`` float64 scores from the formula (no masking)."""
+    logits = torch.einsum("thc,nc->thn", q.double(), keys.double()).clamp(min=0)
+    return torch.einsum("thn,th->tn", logits, weights.double())
+
+
+def assert_valid_topk(sel: Tensor, scores: Tensor, num_visible: Tensor, topk: int, tol: float) -> None:
+    """``sel [Tq, topk]`` is *a* top-k of the visible prefix of ``scores`` (ties within ``tol`` may go
+    either way), -1 exactly in the spare slots, no duplicates."""
+    assert sel.shape == (scores.shape[0], topk) and sel.dtype == torch.int64, (sel.shape, sel.dtype)
+    for t in range(sel.shape[0]):
+        nv = min(int(num_visible[t]), scores.shape[1])
+        picked = [i for i in sel[t].tolist() if i >= 0]
+        assert len(picked) == min(topk, nv) and len(set(picked)) == len(picked), (t, picked, nv)
+        assert all(i < nv for i in picked) and (sel[t] >= -1).all(), (t, picked, nv)
+        rest = sorted(set(range(nv)) - set(picked))
+        if picked and rest:
+            lo = scores[t, picked].min().item()
+            hi = scores[t, rest].max().item()
+            assert lo >= hi - tol, (t, lo, hi)
+
+
+def indexer_bytes(Tq: int, H: int, di: int, N: int, topk: int, dtype: torch.dtype) -> int:
+    """q once, keys once (shared by the queries), scores written and read once, indices written."""
+    e = torch.finfo(dtype).bits // 8
+    return Tq * H * di * e + Tq * H * 4 + N * di * e + 2 * Tq * N * 4 + Tq * topk * 8
+
+
+# ----------------------------------------------------------------------------------- routing §6
+def route_args(T: int, E: int, k: int, renormalize: bool = True, with_bias: bool = True,
+               hashed: bool = False, dtype=torch.float32, seed: int = 0, device=DEVICE) -> tuple:
+    """``(router_logits [T,E], top_k, routed_scaling_factor, renormalize, bias, hash_ids)``."""
+    g = _gen(seed)
+    logits = _randn(g, T, E, dtype=dtype, device=device, scale=3.0)
+    bias = _randn(g, E, device=device) if with_bias else None
+    hash_ids = None
+    if hashed:
+        hash_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+        hash_ids = hash_ids.to(torch.int32).to(device)
+    return logits, k, 1.5, renormalize, bias, hash_ids
+
+
+def route_bytes(T: int, E: int, k: int) -> int:
+    return T * E * 4 + E * 4 + T * k * 12
+
+
+# ------------------------------------------------------------------------------------- rope §3.2
+def rope_args(T: int, mid: tuple, d: int, r: int, dtype=torch.float32, inverse: bool = False,
+              seed: int = 0, device=DEVICE) -> tuple:
+    """``(x [T, *mid, d], positions [T], inv_freq [r/2], inverse)``: compress-layer frequencies
+    (theta 160000 + YaRN as V4), positions up to 2^20 (cos / sin need full range reduction)."""
+    from csrc_triton.rope_ref import rope_inv_freq
+
+    g = _gen(seed)
+    x = _randn(g, T, *mid, d, dtype=dtype, device=device)
+    positions = torch.randint(0, 1 << 20, (T,), generator=g)
+    if T:
+        positions[0] = 0
+    inv_freq = rope_inv_freq(r, 160000.0, 16, 65536).to(device)
+    return x, positions.to(device), inv_freq, inverse
+
+
+def rope_bytes(T: int, M: int, d: int, dtype: torch.dtype) -> int:
+    e = torch.finfo(dtype).bits // 8
+    return 2 * T * M * d * e + 8 * T

@@ -1,0 +1,57 @@
+"""Triton compress_windows against compressor_ref (kernel link of the test chain).
+
+Tolerance: kernel_cases.assert_close (fp32 1e-5; bf16 rows 1e-2 + cosine). Invalid slots hold NaN /
+inf (they must never be read); entry 1 of N >= 3 has no valid slot and must pool to exactly 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from csrc_triton.compressor import compress_windows  # noqa: E402
+from csrc_triton.compressor_ref import compress_windows as compress_windows_ref  # noqa: E402
+from tests.csrc_triton.kernel_cases import (  # noqa: E402
+    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, compress_args,
+)
+
+pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
+GPU = pytest.mark.gpu
+
+# (N, m, d, overlap): length 0 and 1, odd d, a channel-block boundary (d = 1025 at S = 8 is 2 blocks),
+# non-power-of-two windows, HCA at m = 128; V4 main (d = 512) and indexer (d = 128) widths.
+SHAPES = [
+    (0, 4, 8, True),
+    (1, 4, 5, True),
+    (3, 4, 5, False),
+    (5, 3, 20, True),
+    (4, 6, 17, False),
+    (3, 128, 5, False),
+    (2, 4, 1025, True),
+    pytest.param(300, 4, 512, True, marks=GPU),
+    pytest.param(300, 4, 128, True, marks=GPU),
+    pytest.param(64, 128, 512, False, marks=GPU),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("N, m, d, overlap", SHAPES)
+def test_compress_windows_matches_ref(N, m, d, overlap, dtype):
+    args = compress_args(N, m, d, overlap, dtype)
+    out = compress_windows(*args)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert_close(out, compress_windows_ref(*args), dtype)
+    if N >= 3:
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_compress_windows_strided_rows():
+    """Rows gathered as a view (every other row of a wider state buffer, a column offset)."""
+    rows, valid, overlap, d = compress_args(3, 4, 6, True, seed=1)
+    wide = torch.full((3, 16, rows.shape[2] + 3), float("nan"), device=rows.device)
+    wide[:, ::2, 3:] = rows
+    view = wide[:, ::2, 3:]
+    assert_close(compress_windows(view, valid, overlap, d), compress_windows_ref(rows, valid, overlap, d),
+                 torch.float32)
