@@ -30,4 +30,7 @@ def register() -> None:
     compat.patch_model_config_hook()
     if not compat.is_vllm_026():
         compat.patch_cpu_platform()
+    from vllm_dsv4 import serving
+
+    serving.register()
     _registered = True
