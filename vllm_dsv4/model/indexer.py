@@ -41,6 +41,7 @@ class Indexer(nn.Module):
             num_entries = int(num_visible[rows].max()) if qsl[r + 1] > qsl[r] else 0
             if num_entries == 0:
                 continue
-            keys = self.key_cache.read(md, torch.tensor(r, device=x.device), torch.arange(num_entries, device=x.device))  # [N, di]
+            entries = torch.arange(num_entries, device=x.device)
+            keys = self.key_cache.read(md, torch.tensor(r, device=x.device), entries)  # [N, di]
             selected[rows] = ops.indexer_topk(q[rows], weights[rows], keys.float(), num_visible[rows], self.topk)
         return selected
