@@ -87,7 +87,8 @@ def moe_experts(
     Args:
         x: ``[T, D]`` post-``ffn_norm`` activations.
         weights: ``[T, k]`` routing weights (fp32) from :func:`route`.
-        ids: ``[T, k]`` expert ids in ``[0, E)``.
+        ids: ``[T, k]`` expert ids in ``[0, E]``; id ``E`` means "not on this rank" and is skipped
+            (tensor parallelism shards whole experts, model/moe.py).
         w13: ``[E, 2I, D]`` rows ``[:I]`` = W1 (gate), ``[I:]`` = W3 (up).
         w2: ``[E, D, I]``.
         swiglu_limit: L.
@@ -103,7 +104,7 @@ def moe_experts(
         return out.to(x.dtype)
     flat_ids = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # [T*k] assignments grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # [E] one host sync
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[: w13.shape[0]]  # [E] one sync
     tok = order // k  # [T*k] token of each assignment
     wgt = weights.reshape(-1)[order].float()  # [T*k]
     start = 0

@@ -213,6 +213,17 @@ def test_moe_experts_naive(T):
     _close(out, ref)
 
 
+
+def test_moe_experts_skips_the_not_on_this_rank_id():
+    """Id E (one past the last local expert) contributes nothing, whatever its weight."""
+    E, k, D, I, L = 4, 2, 8, 4, 1.0
+    x, weights = torch.randn(5, D), torch.rand(5, k) + 1
+    ids = torch.tensor([[0, 4], [4, 4], [1, 2], [4, 3], [2, 0]])
+    w13, w2 = torch.randn(E, 2 * I, D), torch.randn(E, D, I)
+    zeroed = torch.where(ids == E, torch.zeros_like(weights), weights)
+    _close(moe_experts(x, weights, ids, w13, w2, L), moe_experts(x, zeroed, ids.clamp(max=E - 1), w13, w2, L))
+    assert moe_experts(x, weights, ids, w13, w2, L)[1].abs().max() == 0
+
 # ----------------------------------------------------------------------------------------- §5.4
 def test_state_rows_naive():
     T, cd, m = 9, 6, 4

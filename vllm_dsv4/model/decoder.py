@@ -12,7 +12,7 @@ from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import MoE
-from vllm_dsv4.model.parallel import Shard, all_reduce, check_divisible, current_shard
+from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
 
 
 class Block(nn.Module):
@@ -42,8 +42,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         self.cfg = cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
-        self.shard = shard = current_shard()
-        check_divisible(cfg, shard)
+        self.shard = shard = current_shard()  # layers raise ConfigError for dims that do not split
         dtype = vllm_config.model_config.dtype
         self.hc_mult = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -61,11 +61,11 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x, weights, ids):
-        """Partial output over this rank's experts: other ranks' picks get weight 0."""
+        """Partial output over this rank's experts: other ranks' picks become the skipped id E_local."""
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local)
-        weights = torch.where(mine, weights, torch.zeros_like(weights))
-        return ops.moe_experts(x, weights, local.clamp(0, self.num_local - 1), self.w13, self.w2, self.limit)
+        local = torch.where(mine, local, torch.full_like(local, self.num_local))
+        return ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
 
 
 class MoE(nn.Module):

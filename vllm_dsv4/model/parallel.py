@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,3 @@ def all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(partial)
-
-
-def check_divisible(cfg: Dsv4Config, shard: Shard) -> None:
-    """Fail at model build, naming the config key, when a sharded dim does not split evenly."""
-    for key in ("num_attention_heads", "o_groups", "n_routed_experts", "moe_intermediate_size"):
-        shard.part(getattr(cfg, key), key)
