@@ -3,7 +3,10 @@
 With CUDA, the Triton kernels of ``csrc_triton/<op>.py`` (each tested against its reference in
 tests/csrc_triton); otherwise the PyTorch references ``csrc_triton/<op>_ref.py``, which are the CPU
 path. Same names and signatures either way. Ops without a kernel yet use the reference everywhere.
+``VLLM_DSV4_OPS=reference`` forces the references on a GPU too (to bisect a kernel against them).
 """
+
+import os
 
 import torch
 
@@ -13,7 +16,9 @@ from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, swiglu_clamped
 from csrc_triton.compressor_ref import state_rows
 
-if torch.cuda.is_available():
+USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
+
+if USE_KERNELS:
     from csrc_triton.compressor import compress_windows
     from csrc_triton.indexer_topk import indexer_topk
     from csrc_triton.mhc import mhc_post, mhc_pre

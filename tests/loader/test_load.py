@@ -103,3 +103,25 @@ def test_tensor_parallel_rank_gets_its_slice(quantized):
     assert torch.equal(local["layers.2.ffn.shared_experts.w2.weight"], half(full["layers.2.ffn.shared_experts.w2.weight"], 1))
     assert torch.equal(local["layers.2.ffn.experts.w13"], full["layers.2.ffn.experts.w13"][4:])
     assert torch.equal(local["layers.0.attn.wkv.weight"], full["layers.0.attn.wkv.weight"])  # replicated
+
+
+def test_parameters_with_a_scale_beside_them_get_raw_bytes_and_scales(quantized):
+    """A ``<target>_scale`` parameter keeps FP8 / MXFP4 weights quantised: bytes copied, not dequantised."""
+    cfg, ckpt = quantized
+    params = empty_params(cfg, ckpt)
+    wq_b, w13 = "layers.1.attn.wq_b.weight", "layers.2.ffn.experts.w13"
+    fp8 = ckpt.get(wq_b)
+    params[wq_b] = torch.nn.Parameter(torch.empty(fp8.shape, dtype=torch.float8_e4m3fn), requires_grad=False)
+    params[f"{wq_b}_scale"] = torch.nn.Parameter(torch.full(ckpt.get("layers.1.attn.wq_b.scale").shape, float("nan")),
+                                                  requires_grad=False)
+    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    params[w13] = torch.nn.Parameter(torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8), requires_grad=False)
+    params[f"{w13}_scale"] = torch.nn.Parameter(torch.zeros(e, 2 * i, d // 32, dtype=torch.uint8), requires_grad=False)
+
+    assert load_official_weights(cfg, reversed(list(stream(ckpt))), params) == set(params)
+    assert torch.equal(params[wq_b].data.view(torch.uint8), fp8.view(torch.uint8))
+    assert torch.equal(oracle_dequant_fp8(params[wq_b].data, params[f"{wq_b}_scale"].data),
+                       oracle_dequant_fp8(fp8, ckpt.get("layers.1.attn.wq_b.scale")).float())
+    w3, w3_scale = ckpt.get("layers.2.ffn.experts.5.w3.weight"), ckpt.get("layers.2.ffn.experts.5.w3.scale")
+    assert torch.equal(params[w13].data[5, i:], w3.view(torch.uint8))
+    assert torch.equal(params[f"{w13}_scale"].data[5, i:], w3_scale.view(torch.uint8))

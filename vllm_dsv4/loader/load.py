@@ -1,4 +1,8 @@
-"""The weight-loading loop: place each official tensor (dequantised) into its parameter."""
+"""The weight-loading loop: place each official tensor into its parameter.
+
+A quantised weight is dequantised unless the model holds it quantised: a parameter named
+``<target>_scale`` beside ``<target>`` asks for the raw FP8 / MXFP4 bytes and their scales.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import CheckpointError, TensorSpec, expected_tensors, scale_name, validate
-from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
+from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4, e8m0_to_float32
 from vllm_dsv4.loader.names import param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
 
@@ -17,6 +21,20 @@ def _dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float8_e4m3fn:
         return dequant_fp8_block(weight, scale)
     return dequant_mxfp4(weight, scale)
+
+
+def quantized_scale_param(target: str) -> str:
+    """Name of the scale parameter that marks ``target`` as held quantised."""
+    return f"{target}_scale"
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Raw bytes stay bytes (MXFP4 codes, e8m0 exponents); e8m0 to float32 goes through the byte."""
+    if dtype == torch.uint8 and tensor.dtype in (torch.int8, torch.float8_e8m0fnu):
+        return tensor.view(torch.uint8)
+    if dtype == torch.float32 and tensor.dtype == torch.float8_e8m0fnu:
+        return e8m0_to_float32(tensor)
+    return tensor.to(dtype)
 
 
 def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], shard: Shard,
@@ -37,8 +55,20 @@ def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter
         if half is not None:
             rows = dst.shape[0] // 2
             dst = dst[half * rows : (half + 1) * rows]
-    dst.copy_(tensor.to(dst.dtype))
+    dst.copy_(_as_dtype(tensor, dst.dtype))
     return target
+
+
+def _place_quantized(weight_name: str, weight: torch.Tensor, scale: torch.Tensor,
+                     params: dict[str, torch.nn.Parameter], shard: Shard, num_experts: int) -> set[str | None]:
+    target, _, _ = param_target(weight_name)
+    scale_target = quantized_scale_param(target)
+    if scale_target not in params:
+        return {_place(weight_name, _dequantize(weight, scale), params, shard, num_experts)}
+    # The scale follows its weight: same expert / half / shard, under the scale parameter's name.
+    placed = _place(weight_name, weight, params, shard, num_experts)
+    _place(weight_name, scale, {target: params[scale_target]}, shard, num_experts)
+    return {placed, placed and scale_target}
 
 
 def load_official_weights(
@@ -74,6 +104,6 @@ def load_official_weights(
             held[name] = tensor
             continue
         weight, scale = (tensor, held.pop(partner)) if name == weight_name else (held.pop(partner), tensor)
-        loaded.add(_place(weight_name, _dequantize(weight, scale), params, shard, cfg.n_routed_experts))
+        loaded |= _place_quantized(weight_name, weight, scale, params, shard, cfg.n_routed_experts)
     validate(cfg, found)
     return loaded - {None}
