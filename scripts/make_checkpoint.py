@@ -231,22 +231,22 @@ def make_config(preset: str, *, quantized: bool = True, num_layers: int | None =
 # --------------------------------------------------------------------------------------------
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
+def _generator(seed: int, name: str, device: str = "cpu") -> torch.Generator:
+    return torch.Generator(device).manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
 
 
 def _randn(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     # bf16 sampling is ~2x cheaper than fp32 for the expert-sized tensors; returns float32.
-    return torch.randn(shape, generator=g, dtype=torch.bfloat16).float()
+    return torch.randn(shape, generator=g, dtype=torch.bfloat16, device=g.device).float()
 
 
-def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int) -> torch.Tensor:
+def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int, device: str = "cpu") -> torch.Tensor:
     """The float32 master value of parameter ``name`` (logical, unquantized shape).
 
     Scaled so activations stay O(1): linears N(0, 1/fan_in), norms 1 + N(0, 0.1^2), and every
     parameter that defaults to zero (sinks, ape, gate.bias, hc base) gets O(1) random values.
     """
-    g = _generator(seed, name)
+    g = _generator(seed, name, device)
     last = name.rsplit(".", 1)[-1]
     if name == "embed.weight":
         return _randn(g, shape)
@@ -257,7 +257,7 @@ def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int)
     if last.endswith("_base"):
         return 0.5 * _randn(g, shape)
     if last.endswith("_scale") and last.startswith("hc_"):
-        return 0.5 + torch.rand(shape, generator=g)
+        return 0.5 + torch.rand(shape, generator=g, device=g.device)
     if last == "attn_sink":
         return _randn(g, shape)
     if last == "ape":
@@ -281,18 +281,26 @@ def _materialise(
     cfg: Dsv4Config,
     quantized: bool,
     seed: int,
+    device: str = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the stored tensor(s) of one logical parameter: (name, value) [+ (scale name, scale)].
 
     ``stored`` is the quantized variant's table; it decides the quantization format, and
     ``quantized`` decides whether to keep the codes or store their exact bf16 dequantization.
+    Values are drawn and quantised on ``device`` (a GPU makes V4-Flash-sized layers fast; its random
+    stream differs from the CPU's) and yielded on the CPU.
     """
+    for stored_name, value in _stored_values(name, logical, stored, cfg, quantized, seed, device):
+        yield stored_name, value.cpu()
+
+
+def _stored_values(name, logical, stored, cfg, quantized, seed, device):
     spec = stored[name]
     if logical.dtype == torch.int64:  # tid2eid
         yield name, random_tid2eid(cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
                                    _generator(seed, name))
         return
-    w = master_weight(name, logical.shape, cfg, seed)
+    w = master_weight(name, logical.shape, cfg, seed, device)
     if spec.dtype == torch.float8_e4m3fn:
         q, s = quant_fp8_block(w)
         if quantized:
@@ -466,6 +474,7 @@ def make_checkpoint(
     seed: int = 0,
     num_layers: int | None = None,
     log: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write config.json, shards, index, tokenizer and generation_config to ``out_dir``."""
     out = Path(out_dir)
@@ -491,7 +500,7 @@ def make_checkpoint(
 
         def tensors(logical=logical, stored=stored):
             for name, spec in logical.items():
-                yield from _materialise(name, spec, stored, cfg, quantized, seed)
+                yield from _materialise(name, spec, stored, cfg, quantized, seed, device)
 
         writer.write_group(group, tensors())
         if log:
@@ -519,10 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="store bf16 (dequantized) weights, no quantization_config")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash default: 6)")
+    ap.add_argument("--device", default="cpu", help="draw and quantise there, e.g. cuda (different values)")
     args = ap.parse_args(argv)
     t = time.time()
     path = make_checkpoint(args.out, args.preset, quantized=not args.unquantized, seed=args.seed,
-                           num_layers=args.num_layers, log=lambda s: print(s, flush=True))
+                           num_layers=args.num_layers, log=lambda s: print(s, flush=True), device=args.device)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 2**30:.3f} GiB) in {time.time() - t:.1f}s")
     return 0

@@ -89,7 +89,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             f"want {(out, inp // MXFP4_BLOCK)}"
         )
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out, inp)  # low nibble first
-    values = _E2M1_LUT[codes.to(torch.int64)]
+    values = _E2M1_LUT.to(codes.device)[codes.to(torch.int64)]
     s = _scale_to_float32(scale)
     return (values.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * s.unsqueeze(-1)).view(out, inp)
 

@@ -1,0 +1,167 @@
+"""Our plugin against vLLM's in-tree DeepSeek-V4 on one checkpoint, one GPU (a benchmark, not a test).
+
+    python scripts/bench_gpu.py --model CKPT                       # both engines, then the table
+    python scripts/bench_gpu.py --model CKPT --engines intree --out intree.json   # one engine per call
+    python scripts/bench_gpu.py --report plugin.json intree.json   # the table from saved runs
+
+Each engine runs in its own process (vLLM keeps process-global state; the in-tree one needs our
+plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming every shape up:
+  * time to ready: ``LLM(...)`` construction, wall clock;
+  * decode output tok/s at batch 1 / 16 / 64: 1k-token prompts, 128 output tokens, minus the time
+    of the same batch with 1 output token (so prefill is not counted);
+  * prefill tok/s at 8k and 32k tokens (one prompt, 1 output token);
+  * KV-cache bytes, token capacity (vLLM's own max concurrency at ``max_model_len`` times
+    ``max_model_len``, the same formula for both engines) and bytes per token.
+vLLM 0.26's in-tree model applies YaRN to window-only layers (fixed in 0.32): compare speed, not outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DECODE_BATCHES = (1, 16, 64)
+PREFILL_LENS = (8192, 32768)
+PROMPT_LEN, OUTPUT_LEN = 1024, 128
+
+ENGINES = {
+    # Our layers keep host-side bookkeeping per step, so no CUDA graphs yet (enforce_eager).
+    "plugin": dict(env={"VLLM_PLUGINS": "vllm_dsv4"}, engine=dict(enforce_eager=True)),
+    # The in-tree model only has the fp8_ds_mla cache layout; DeepGEMM warm-up would JIT for ~40 min.
+    "intree": dict(env={"VLLM_PLUGINS": "none", "VLLM_DEEP_GEMM_WARMUP": "skip"},
+                   engine=dict(kv_cache_dtype="fp8", compilation_config={"max_cudagraph_capture_size": 64})),
+}
+
+
+def prompts(n: int, length: int, seed: int, vocab: int):
+    import torch
+    from vllm.inputs import TokensPrompt
+
+    g = torch.Generator().manual_seed(seed)
+    return [TokensPrompt(prompt_token_ids=torch.randint(10, vocab, (length,), generator=g).tolist()) for _ in range(n)]
+
+
+def timed_generate(llm, batch, max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    llm.generate(batch, params, use_tqdm=False)  # warm-up of this shape
+    start = time.perf_counter()
+    llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def kv_capacity(llm) -> dict:
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    vllm_config = llm.llm_engine.vllm_config
+    kv_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    tensors = kv_config.kv_cache_tensors
+    if hasattr(tensors[0], "block_stride"):  # vLLM 0.32: views into one pool, block_stride bytes per block
+        total = kv_config.num_blocks * tensors[0].block_stride
+    else:  # vLLM 0.26: one allocation per tensor
+        total = sum(t.size for t in tensors)
+    max_len = vllm_config.model_config.max_model_len
+    concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_config)
+    tokens = int(concurrency * max_len)
+    return dict(kv_cache_gib=total / 2**30, token_capacity=tokens, concurrency_at_max_len=concurrency,
+                kv_bytes_per_token=total / max(tokens, 1))
+
+
+def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization: float,
+               decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS) -> dict:
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
+              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(decode_batches),
+              max_num_batched_tokens=16384, seed=0, **ENGINES[name]["engine"])
+    result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm))
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    for batch_size in decode_batches:
+        batch = prompts(batch_size, PROMPT_LEN, batch_size, vocab)
+        full = timed_generate(llm, batch, OUTPUT_LEN)
+        prefill = timed_generate(llm, batch, 1)
+        result[f"decode_tok_s_b{batch_size}"] = batch_size * (OUTPUT_LEN - 1) / (full - prefill)
+        print(f"[{name}] decode batch {batch_size}: {result[f'decode_tok_s_b{batch_size}']:.1f} tok/s", flush=True)
+    for length in prefill_lens:
+        seconds = timed_generate(llm, prompts(1, length, length, vocab), 1)
+        result[f"prefill_tok_s_{length}"] = length / seconds
+        print(f"[{name}] prefill {length}: {length / seconds:.0f} tok/s", flush=True)
+    return result
+
+
+def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
+    """(key, label, format, which way is better) for the metrics present, in a fixed order."""
+    rows = [("time_to_ready_s", "time to ready (s)", "{:.1f}", "lower")]
+    for b in sorted(int(k.rsplit("_b", 1)[1]) for k in keys if k.startswith("decode_tok_s_b")):
+        rows.append((f"decode_tok_s_b{b}", f"decode tok/s, batch {b}", "{:.1f}", "higher"))
+    for n in sorted(int(k.rsplit("_", 1)[1]) for k in keys if k.startswith("prefill_tok_s_")):
+        rows.append((f"prefill_tok_s_{n}", f"prefill tok/s, {n} tokens", "{:.0f}", "higher"))
+    rows += [("kv_cache_gib", "KV cache (GiB)", "{:.2f}", "-"), ("token_capacity", "token capacity", "{:,}", "higher"),
+             ("kv_bytes_per_token", "KV bytes / token", "{:.1f}", "lower")]
+    return rows
+
+
+def report(results: dict[str, dict]) -> str:
+    ours, theirs = results.get("plugin", {}), results.get("intree", {})
+    lines = ["| metric | plugin | in-tree | plugin / in-tree |", "| --- | --- | --- | --- |"]
+    for key, label, fmt, better in table_rows({k for r in results.values() for k in r}):
+        a, b = ours.get(key), theirs.get(key)
+        ratio = f"{a / b:.2f} ({better} is better)" if a is not None and b else "-"
+        cell = lambda v: fmt.format(v) if v is not None else "-"  # noqa: E731
+        lines.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--engines", default="plugin,intree")
+    ap.add_argument("--out", type=Path, help="save the results (JSON) here")
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--report", nargs="+", type=Path, help="print the table of saved runs and exit")
+    ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
+    ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:  # one engine, in this process
+        ints = lambda csv: tuple(int(v) for v in csv.split(","))  # noqa: E731
+        result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
+                            ints(args.decode_batches), ints(args.prefill_lens))
+        args.out.write_text(json.dumps(result, indent=2))
+        return 0
+    if args.report:
+        results = {}
+        for saved in (json.loads(p.read_text()) for p in args.report):  # one engine's run, or several
+            results.update({saved["engine"]: saved} if "engine" in saved else saved)
+        print(report(results))
+        return 0
+
+    results = {}
+    for name in args.engines.split(","):
+        out = (args.out or Path(".")).with_suffix(f".{name}.json")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **ENGINES[name]["env"])
+        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--out", str(out),
+               "--max-model-len", str(args.max_model_len),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+               "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens]
+        if subprocess.run(cmd, env=env).returncode != 0:
+            print(f"[{name}] engine run failed", file=sys.stderr)
+            continue
+        results[name] = json.loads(out.read_text())
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print(report(results))
+    return 0 if len(results) == len(args.engines.split(",")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
