@@ -11,18 +11,19 @@ from make_checkpoint import make_config  # noqa: E402
 from vllm_dsv4.config import Dsv4Config  # noqa: E402
 from vllm_dsv4.kv.layout import page_size_table  # noqa: E402
 
-# (title, preset, KV dtype): the CPU path stores KV in the model dtype.
+# (title, preset, KV dtype, layers, FP8 entries): without --kv-cache-dtype fp8, KV is in the model dtype.
 TABLES = (
-    ("V4-Flash (43 layers), bf16 KV", "flash", torch.bfloat16, 43),
-    ("tiny preset, fp32 KV (the CI tests)", "tiny", torch.float32, None),
+    ("V4-Flash (43 layers), FP8 KV (`--kv-cache-dtype fp8`)", "flash", torch.bfloat16, 43, True),
+    ("V4-Flash (43 layers), bf16 KV", "flash", torch.bfloat16, 43, False),
+    ("tiny preset, fp32 KV (the CI tests)", "tiny", torch.float32, None, False),
 )
 
 
 def render() -> str:
     parts = []
-    for title, preset, dtype, layers in TABLES:
+    for title, preset, dtype, layers, fp8 in TABLES:
         cfg = Dsv4Config.from_dict(make_config(preset, num_layers=layers))
-        parts.append(f"**{title}**\n\n{page_size_table(cfg, dtype)}")
+        parts.append(f"**{title}**\n\n{page_size_table(cfg, dtype, fp8=fp8)}")
     return "\n\n".join(parts)
 
 

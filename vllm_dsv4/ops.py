@@ -15,6 +15,7 @@ from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, swiglu_clamped
 from csrc_triton.compressor_ref import state_rows
+from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
 
 USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
 
@@ -41,10 +42,14 @@ __all__ = [
     "mhc_post",
     "mhc_pre",
     "moe_experts",
+    "pack_index",
+    "pack_main",
     "rms_norm",
     "rope_inv_freq",
     "route",
     "sparse_attn",
     "state_rows",
     "swiglu_clamped",
+    "unpack_index",
+    "unpack_main",
 ]

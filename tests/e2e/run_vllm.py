@@ -1,7 +1,8 @@
 """Runs one vLLM engine with the plugin in a fresh process and saves what it produced.
 
 Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the engine arguments and
-batches of prompts (token ids); each batch is one ``generate`` call. Every engine gets its own
+batches of prompts (token ids); each batch is one ``generate`` call, optionally on its prompts
+extended by an earlier batch's outputs (``extend_with_batch``). Every engine gets its own
 process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
@@ -82,7 +83,12 @@ def main(job_path: str, out_path: str) -> None:
             logprobs=-1 if want_logprobs else None,
             prompt_logprobs=-1 if want_logprobs else None,
         )
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+        prompt_ids = batch["prompts"]
+        if "extend_with_batch" in batch:  # teacher forcing: each prompt followed by an earlier batch's output
+            earlier = batches[batch["extend_with_batch"]]
+            prompt_ids = [p + r["tokens"] for p, r in zip(prompt_ids, earlier)]
+            params.max_tokens = 1
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         if batch.get("preempt_at_steps"):
             outputs = generate_with_preemptions(llm, prompts, params, set(batch["preempt_at_steps"]))
         else:

@@ -25,9 +25,10 @@ def flash_cfg():
     return Dsv4Config.from_dict(load_script("make_checkpoint").make_config("flash", num_layers=43))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_vllm_spec_page_size_equals_layout(flash_cfg, ratio):
-    for comp in layer_components(flash_cfg, ratio, torch.bfloat16, 256).values():
+def test_vllm_spec_page_size_equals_layout(flash_cfg, ratio, fp8):
+    for comp in layer_components(flash_cfg, ratio, torch.bfloat16, 256, fp8).values():
         assert component_spec(comp).page_size_bytes == comp.page_bytes, comp.name
 
 

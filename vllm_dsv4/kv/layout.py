@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_dsv4.config import Dsv4Config
+from csrc_triton.kv_pack_ref import index_entry_bytes, main_entry_bytes
+from vllm_dsv4.config import ConfigError, Dsv4Config
 
 # Tokens per block of the per-token caches. Sliding-window groups free whole blocks, so small
 # blocks keep the resident window tight; 4 and 8 follow vLLM's in-tree choice for the states.
@@ -20,12 +21,42 @@ C4_STATE_BLOCK_TOKENS = 4
 C128_STATE_BLOCK_TOKENS = 8
 
 
+# vLLM ``kv_cache_dtype`` values: raw entries in the model dtype, or FP8 entries.
+RAW_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+
+
+def fp8_entries(cache_dtype: str) -> bool:
+    """Whether ``--kv-cache-dtype`` asks for FP8 entries (csrc_triton/kv_pack_ref.py)."""
+    if cache_dtype in FP8_CACHE_DTYPES:
+        return True
+    if cache_dtype in RAW_CACHE_DTYPES:
+        return False
+    raise ConfigError(f"kv_cache_dtype={cache_dtype!r} is not supported by DeepSeek-V4 (vllm-dsv4); "
+                      f"use one of {RAW_CACHE_DTYPES + FP8_CACHE_DTYPES}")
+
+
+@dataclass(frozen=True)
+class Fp8Entry:
+    """An entry stored as FP8 bytes: ``value_dim`` values, the last ``rope_dim`` kept bf16 (main KV),
+    or ``rope_dim=None`` for an indexer key with one scale."""
+
+    value_dim: int
+    rope_dim: int | None
+
+    @property
+    def entry_bytes(self) -> int:
+        return index_entry_bytes(self.value_dim) if self.rope_dim is None else main_entry_bytes(self.value_dim,
+                                                                                                 self.rope_dim)
+
+
 @dataclass(frozen=True)
 class Component:
     """One cache component of one layer.
 
     ``entry_elems`` elements of ``dtype`` per entry; one entry per ``tokens_per_entry`` tokens.
     ``window_tokens`` is set for per-token caches of which only the recent window is kept.
+    ``fp8`` is set when entries are FP8 bytes (``dtype`` uint8) that decode to ``fp8.value_dim`` values.
     """
 
     name: str
@@ -34,6 +65,7 @@ class Component:
     tokens_per_entry: int
     block_tokens: int
     window_tokens: int | None = None
+    fp8: Fp8Entry | None = None
 
     @property
     def entry_bytes(self) -> int:
@@ -54,29 +86,42 @@ def state_elems(ratio: int, head_dim: int) -> int:
     return 2 * coff * head_dim
 
 
+def _entry(dim: int, kv_dtype: torch.dtype, fp8: Fp8Entry | None) -> dict:
+    if fp8 is None:
+        return dict(entry_elems=dim, dtype=kv_dtype)
+    return dict(entry_elems=fp8.entry_bytes, dtype=torch.uint8, fp8=fp8)
+
+
 def layer_components(
-    cfg: Dsv4Config, ratio: int, kv_dtype: torch.dtype, compressed_block_tokens: int
+    cfg: Dsv4Config, ratio: int, kv_dtype: torch.dtype, compressed_block_tokens: int, fp8: bool = False
 ) -> dict[str, Component]:
-    """Every cache component a layer of compress ratio ``ratio`` (0, 4 or 128) owns."""
-    comps = {"swa": Component("swa", cfg.head_dim, kv_dtype, 1, SWA_BLOCK_TOKENS, cfg.sliding_window)}
+    """Every cache component a layer of compress ratio ``ratio`` (0, 4 or 128) owns. With ``fp8``
+    the main KV and indexer keys are FP8 entries; compressor states stay fp32 either way."""
+    main_fp8 = Fp8Entry(cfg.head_dim, cfg.qk_rope_head_dim) if fp8 else None
+    comps = {"swa": Component("swa", tokens_per_entry=1, block_tokens=SWA_BLOCK_TOKENS,
+                              window_tokens=cfg.sliding_window, **_entry(cfg.head_dim, kv_dtype, main_fp8))}
     if ratio == 0:
         return comps
     main = "c4" if ratio == 4 else "c128"
     state_block = C4_STATE_BLOCK_TOKENS if ratio == 4 else C128_STATE_BLOCK_TOKENS
     state_window = 2 * ratio if ratio == 4 else ratio
-    comps[main] = Component(main, cfg.head_dim, kv_dtype, ratio, compressed_block_tokens)
+    comps[main] = Component(main, tokens_per_entry=ratio, block_tokens=compressed_block_tokens,
+                            **_entry(cfg.head_dim, kv_dtype, main_fp8))
     comps[f"{main}_state"] = Component(
         f"{main}_state", state_elems(ratio, cfg.head_dim), torch.float32, 1, state_block, state_window
     )
     if ratio == 4:
-        comps["indexer"] = Component("indexer", cfg.index_head_dim, kv_dtype, 4, compressed_block_tokens)
+        index_fp8 = Fp8Entry(cfg.index_head_dim, None) if fp8 else None
+        comps["indexer"] = Component("indexer", tokens_per_entry=4, block_tokens=compressed_block_tokens,
+                                     **_entry(cfg.index_head_dim, kv_dtype, index_fp8))
         comps["indexer_state"] = Component(
             "indexer_state", state_elems(4, cfg.index_head_dim), torch.float32, 1, state_block, state_window
         )
     return comps
 
 
-def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tokens: int = 256) -> str:
+def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tokens: int = 256,
+                    fp8: bool = False) -> str:
     """Markdown table of every component's page (docs/ARCHITECTURE.md embeds it; a test checks)."""
     kinds = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)})
     count = {r: sum(cfg.compress_ratio(i) == r for i in range(cfg.num_hidden_layers)) for r in kinds}
@@ -86,7 +131,7 @@ def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tok
     ]
     rows: dict[str, tuple[Component, int]] = {}
     for ratio in kinds:
-        for name, comp in layer_components(cfg, ratio, kv_dtype, compressed_block_tokens).items():
+        for name, comp in layer_components(cfg, ratio, kv_dtype, compressed_block_tokens, fp8).items():
             prev = rows.get(name, (comp, 0))[1]
             rows[name] = (comp, prev + count[ratio])
     for name, (c, layers) in rows.items():

@@ -11,7 +11,7 @@ from torch import nn
 
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.kv.layout import layer_components
+from vllm_dsv4.kv.layout import fp8_entries, layer_components
 from vllm_dsv4.model.cache import CacheLayer
 from vllm_dsv4.model.compressor import Compressor
 from vllm_dsv4.model.indexer import Indexer
@@ -51,9 +51,10 @@ class Attention(nn.Module):
         inv_freq = layer_inv_freq(cfg, ratio)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-        block = vllm_config.cache_config.block_size
-        caches = {name: CacheLayer(comp, f"{prefix}.{name}_cache", vllm_config)
-                  for name, comp in layer_components(cfg, ratio, kv_dtype, block).items()}
+        cache_config = vllm_config.cache_config
+        components = layer_components(cfg, ratio, kv_dtype, cache_config.block_size,
+                                      fp8_entries(cache_config.cache_dtype))
+        caches = {name: CacheLayer(comp, f"{prefix}.{name}_cache", vllm_config) for name, comp in components.items()}
         self.swa_cache = caches["swa"]
         self.main_cache = caches.get("c4") or caches.get("c128")
         if ratio:

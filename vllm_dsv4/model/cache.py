@@ -7,7 +7,7 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-from vllm_dsv4 import compat
+from vllm_dsv4 import compat, ops
 from vllm_dsv4.attention.backend import CacheBackend, CacheStepMetadata
 from vllm_dsv4.kv.layout import Component
 from vllm_dsv4.kv.spec import component_spec
@@ -18,12 +18,14 @@ class CacheLayer(nn.Module, AttentionLayerBase):
 
     Entry ``e`` of request ``r`` lives at ``view[block_table[r, e // E], e % E]`` with E entries per
     block. Per-token caches index entries by token position, compressed caches by entry number.
+    FP8 components encode on write and decode on read (to the model dtype).
     """
 
     def __init__(self, component: Component, prefix: str, vllm_config):
         super().__init__()
         self.component = component
         self.prefix = prefix
+        self.value_dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
@@ -53,10 +55,24 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N]."""
         view = compat.cache_view(self.kv_cache)
         block, offset = self._address(md, req, entry)
-        view[block, offset] = values.to(view.dtype)
+        view[block, offset] = self._encode(values).to(view.dtype)
 
     def read(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Entries [..., C] at ``entry`` [...] of requests ``req`` (broadcast); ``entry`` must be >= 0."""
         view = compat.cache_view(self.kv_cache)
         block, offset = self._address(md, req, entry)
-        return view[block, offset]
+        return self._decode(view[block, offset])
+
+    def _encode(self, values: torch.Tensor) -> torch.Tensor:
+        fp8 = self.component.fp8
+        if fp8 is None:
+            return values
+        return ops.pack_index(values) if fp8.rope_dim is None else ops.pack_main(values, fp8.rope_dim)
+
+    def _decode(self, entries: torch.Tensor) -> torch.Tensor:
+        fp8 = self.component.fp8
+        if fp8 is None:
+            return entries
+        if fp8.rope_dim is None:
+            return ops.unpack_index(entries, self.value_dtype)
+        return ops.unpack_main(entries, fp8.value_dim, fp8.rope_dim, self.value_dtype)
