@@ -54,6 +54,9 @@ def generate_with_preemptions(llm, prompts, params, steps: set[int]) -> list:
             for request in list(scheduler.running[1:]):
                 scheduler.running.remove(request)
                 scheduler._preempt_request(request, time.monotonic())
+                # vLLM 0.26 resends a resumed request's tokens only if it did not run in the previous
+                # step; a real preemption happens while scheduling, so it never has.
+                getattr(scheduler, "prev_step_scheduled_req_ids", set()).discard(request.request_id)
     return [finished[i] for i in range(len(prompts))]
 
 
