@@ -80,7 +80,7 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
     start = time.perf_counter()
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(decode_batches),
-              max_num_batched_tokens=16384, seed=0, **ENGINES[name]["engine"])
+              max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"])
     result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm))
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for batch_size in decode_batches:
@@ -125,7 +125,7 @@ def main() -> int:
     ap.add_argument("--engines", default="plugin,intree")
     ap.add_argument("--out", type=Path, help="save the results (JSON) here")
     ap.add_argument("--max-model-len", type=int, default=40960)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--report", nargs="+", type=Path, help="print the table of saved runs and exit")
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
