@@ -6,6 +6,8 @@ Per layer kind (§5.7): ``swa`` attends the window only; ``c128`` adds every vis
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -17,6 +19,10 @@ from vllm_dsv4.model.compressor import Compressor
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.model.parallel import Shard
+
+# Queries attended per pass: each gathers its window and compressed keys ([t, W + K, d]), so this
+# bounds that memory (vLLM's profile run does not see it: our layers skip attention there).
+QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "2048"))
 
 
 def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
@@ -78,13 +84,17 @@ class Attention(nn.Module):
         req = md.token_to_req
         live = req >= 0
         self.swa_cache.write(md, req[live], positions[live], kv[live])
-        keys, valid = self._window(md, req, positions)  # [T, W, d]
-        if self.ratio:
+        if self.ratio:  # every write of this step lands before any read
             self.compressor(x, positions)
-            extra, extra_valid = self._compressed(x, q_latent, req, positions)
-            keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
-
-        o = ops.sparse_attn(q, keys, valid, self.attn_sink, self.head_dim**-0.5)  # [T, H, d]
+            entries, entries_valid = self._compressed_entries(x, q_latent, positions)  # [T, K]
+        o = torch.empty_like(q)
+        for start in range(0, num_tokens, QUERY_CHUNK):  # bounds the gathered keys' memory
+            rows = slice(start, start + QUERY_CHUNK)
+            keys, valid = self._window(md, req[rows], positions[rows])  # [t, W, d]
+            if self.ratio:
+                extra, extra_valid = self._read_compressed(req[rows], entries[rows], entries_valid[rows])
+                keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
+            o[rows] = ops.sparse_attn(q[rows], keys, valid, self.attn_sink, self.head_dim**-0.5)
         o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
         return self.wo_b(self._grouped_wo_a(o))
 
@@ -95,20 +105,19 @@ class Attention(nn.Module):
         keys = self.swa_cache.read(md, req.clamp(min=0)[:, None], pos.clamp(min=0))
         return keys, valid
 
-    def _compressed(self, x, q_latent, req, positions):
-        """Visible C128 entries (all of them) or the indexer's C4 picks, as [T, K, d] + validity."""
-        md = self.main_cache.metadata()
+    def _compressed_entries(self, x, q_latent, positions):
+        """Entry numbers [T, K] each query attends: every visible C128 entry, or the indexer's C4 picks."""
         if self.ratio == 4:
-            entries = self.indexer(x, q_latent, positions)  # [T, topk]
-            valid = entries >= 0
-        else:
-            num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
-            width = max(int(num_visible.max()), 1)
-            entries = torch.arange(width, device=x.device).expand(x.shape[0], width)
-            valid = entries < num_visible[:, None]
-        valid = valid & (req[:, None] >= 0)
-        keys = self.main_cache.read(md, req.clamp(min=0)[:, None], entries.clamp(min=0))
-        return keys, valid
+            entries = self.indexer(x, q_latent, positions)  # [T, topk], -1 where none
+            return entries, entries >= 0
+        num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
+        width = max(int(num_visible.max()), 1)
+        entries = torch.arange(width, device=x.device).expand(x.shape[0], width)
+        return entries, entries < num_visible[:, None]
+
+    def _read_compressed(self, req, entries, valid):
+        keys = self.main_cache.read(self.main_cache.metadata(), req.clamp(min=0)[:, None], entries.clamp(min=0))
+        return keys, valid & (req[:, None] >= 0)
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Block-diagonal per-group down-projection (§5.6): [T, H, d] -> [T, G * o_rank]."""
