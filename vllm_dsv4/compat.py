@@ -20,12 +20,22 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    unless the user chose a multiple of 128 (a compressed block must hold whole C128 entries; the
    in-tree model gets 256 from its backend's kernel block size, ours accepts any). Runs before
    the platform hook (4). Delete the prefix-caching part when prefix caching lands.
+6. Block-FP8 linear kernels (GPU path only) | ``vllm.model_executor.kernels.linear``:
+   ``init_fp8_linear_kernel`` picks, for a weight shape, the kernel vLLM's own ``Fp8LinearMethod``
+   would (CUDA order: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Marlin, Triton); the kernel reads
+   ``weight`` / ``weight_scale`` / ``weight_block_size`` off a layer, re-lays them out in
+   ``process_weights_after_loading`` and computes in ``apply_weights`` | same API (one more
+   CUDA kernel) | ``block_fp8_gemm()``, falling back to ``per_token_group_quant_fp8`` +
+   ``w8a8_triton_block_scaled_mm`` (``fp8_utils``) when vLLM offers no block kernel for the shape
+   or the selection API moves | delete the fallback when both versions select the same way.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +44,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED = ("0.26", "0.32")
 DEFAULT_BLOCK_TOKENS = 256
 COMPRESSED_BLOCK_MULTIPLE = 128
+FP8_BLOCK = 128
 
 
 def vllm_version() -> str:
@@ -126,3 +137,105 @@ def patch_model_config_hook() -> None:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
 
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+
+
+@dataclass(frozen=True)
+class BlockFp8Gemm:
+    """One loaded block-FP8 weight bound to the kernel computing with it: ``x [M, in] -> [M, out]`` bf16."""
+
+    kernel: str  # the vLLM kernel class, or "triton" for the fallback
+    run: Callable[[torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x.to(torch.bfloat16).contiguous())
+
+
+class _KernelLayer:
+    """The attributes vLLM's block-FP8 kernels read off a layer (and replace after loading)."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(weight_scale, requires_grad=False)
+        self.weight_block_size = [FP8_BLOCK, FP8_BLOCK]
+        self.input_scale = self.input_scale_ub = None  # activation scales are dynamic
+
+
+def block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> BlockFp8Gemm:
+    """Ledger 6: vLLM's block-FP8 GEMM for one freshly loaded weight (call once, after loading).
+
+    ``weight`` float8_e4m3fn [out, in], ``weight_scale`` float32 [out/128, in/128], both whole
+    128-blocks. The kernel is the one vLLM picks for the shape under the current vLLM config; its
+    weight processing (e.g. DeepGEMM's UE8M0 re-quantisation, exact for power-of-two scales, and
+    scale layout) runs here and may rewrite ``weight`` in place. Activations are quantised per
+    token in 128-wide groups inside the call.
+    """
+    out_features, in_features = weight.shape
+    want = (out_features // FP8_BLOCK, in_features // FP8_BLOCK)
+    if (weight.dtype != torch.float8_e4m3fn or weight_scale.dtype != torch.float32
+            or out_features % FP8_BLOCK or in_features % FP8_BLOCK or tuple(weight_scale.shape) != want):
+        raise ValueError(f"block-FP8 GEMM wants a float8_e4m3fn weight of whole {FP8_BLOCK}-blocks and float32 "
+                         f"scales {want}; got {weight.dtype} {tuple(weight.shape)}, "
+                         f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+    kernel = _vllm_block_fp8_kernel((out_features, in_features))
+    if kernel is None:
+        return triton_block_fp8_gemm(weight, weight_scale)
+    layer = _KernelLayer(weight, weight_scale)
+    kernel.process_weights_after_loading(layer)
+    return BlockFp8Gemm(type(kernel).__name__, functools.partial(kernel.apply_weights, layer))
+
+
+def _vllm_block_fp8_kernel(weight_shape: tuple[int, int]):
+    """The kernel vLLM's Fp8LinearMethod would pick for a block-FP8 weight; None if it has none."""
+    try:
+        from vllm.model_executor.kernels.linear import Fp8BlockScaledMMLinearKernel, init_fp8_linear_kernel
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            kFp8Dynamic128Sym,
+            kFp8Static128BlockSym,
+        )
+    except ImportError as e:
+        _warn_once(f"vLLM {vllm_version()} has no block-FP8 kernel selection ({e}); using its Triton block GEMM")
+        return None
+    try:
+        kernel = init_fp8_linear_kernel(
+            activation_quant_key=kFp8Dynamic128Sym,
+            weight_quant_key=kFp8Static128BlockSym,
+            input_dtype=torch.bfloat16,
+            out_dtype=torch.bfloat16,
+            weight_shape=weight_shape,
+            module_name="vllm_dsv4 Linear",
+        )
+    except ValueError as e:  # no kernel implements this shape on this GPU
+        _warn_once(f"no vLLM block-FP8 kernel for {weight_shape}; using its Triton block GEMM ({e})")
+        return None
+    if not isinstance(kernel, Fp8BlockScaledMMLinearKernel):
+        # Marlin (weight-only FP8, GPUs without FP8 MMA) repacks into its own layer attributes.
+        _warn_once(f"vLLM picked {type(kernel).__name__} for block FP8; using its Triton block GEMM")
+        return None
+    return kernel
+
+
+def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> BlockFp8Gemm:
+    """The fallback: vLLM's Triton per-token-group quantisation (amax / 448 scales) and block GEMM."""
+    try:
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+            per_token_group_quant_fp8,
+            w8a8_triton_block_scaled_mm,
+        )
+    except ImportError as e:
+        raise ImportError(
+            f"vllm-dsv4 needs vLLM's block-FP8 Triton GEMM (fp8_utils.per_token_group_quant_fp8, "
+            f"w8a8_triton_block_scaled_mm) to keep FP8 weights quantised; vLLM {vllm_version()} lacks it. "
+            f"VLLM_DSV4_OPS=reference serves with dequantised weights instead"
+        ) from e
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        q, s = per_token_group_quant_fp8(x, FP8_BLOCK, column_major_scales=False, use_ue8m0=False)
+        return w8a8_triton_block_scaled_mm(q, weight, s, weight_scale, [FP8_BLOCK, FP8_BLOCK],
+                                           output_dtype=torch.bfloat16)
+
+    return BlockFp8Gemm("triton", run)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning("vllm-dsv4: %s", message)

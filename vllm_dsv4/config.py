@@ -79,6 +79,11 @@ class Dsv4Config:
         return 0 if r <= 1 else r
 
     @property
+    def mxfp4_experts(self) -> bool:
+        """The checkpoint stores routed experts as MXFP4 (e2m1 codes + an e8m0 scale per 1x32 block)."""
+        return self.quantized and self.expert_dtype == "fp4"
+
+    @property
     def nope_head_dim(self) -> int:
         return self.head_dim - self.qk_rope_head_dim
 

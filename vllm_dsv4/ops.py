@@ -4,6 +4,8 @@ With CUDA, the Triton kernels of ``csrc_triton/<op>.py`` (each tested against it
 tests/csrc_triton); otherwise the PyTorch references ``csrc_triton/<op>_ref.py``, which are the CPU
 path. Same names and signatures either way. Ops without a kernel yet use the reference everywhere.
 ``VLLM_DSV4_OPS=reference`` forces the references on a GPU too (to bisect a kernel against them).
+``block_fp8_gemm(weight, scale)`` binds one loaded FP8 weight to its GEMM: vLLM's block-FP8 kernel
+(compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise.
 """
 
 import os
@@ -23,25 +25,31 @@ if USE_KERNELS:
     from csrc_triton.compressor import compress_windows
     from csrc_triton.indexer_topk import indexer_topk
     from csrc_triton.mhc import mhc_post, mhc_pre
+    from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.rope import apply_rope_tail
     from csrc_triton.routing import route
     from csrc_triton.sparse_attn import sparse_attn
+    from vllm_dsv4.compat import block_fp8_gemm
 else:
     from csrc_triton.compressor_ref import compress_windows
+    from csrc_triton.fp8_linear_ref import block_fp8_gemm
     from csrc_triton.indexer_ref import indexer_topk
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
+    from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.rope_ref import apply_rope_tail
     from csrc_triton.routing_ref import route
     from csrc_triton.sparse_attn_ref import sparse_attn
 
 __all__ = [
     "apply_rope_tail",
+    "block_fp8_gemm",
     "compress_windows",
     "hc_head",
     "indexer_topk",
     "mhc_post",
     "mhc_pre",
     "moe_experts",
+    "moe_experts_mxfp4",
     "pack_index",
     "pack_main",
     "rms_norm",

@@ -244,3 +244,57 @@ def rope_args(T: int, mid: tuple, d: int, r: int, dtype=torch.float32, inverse: 
 def rope_bytes(T: int, M: int, d: int, dtype: torch.dtype) -> int:
     e = torch.finfo(dtype).bits // 8
     return 2 * T * M * d * e + 8 * T
+
+
+# ------------------------------------------------------------------------- MXFP4 experts §3.3, §6
+def mxfp4_experts(g: torch.Generator, E: int, out: int, inp: int, gain: float = 1.0,
+                  device=DEVICE) -> tuple[Tensor, Tensor]:
+    """``quant_mxfp4`` of normals of std ``gain * inp**-0.5`` times ``2^j`` per 32-block, ``j`` in
+    [-3, 2] (scale bytes spread over six exponents): ``(packed [E, out, inp/2] uint8, scale
+    [E, out, inp/32] uint8)``, quantised a few experts at a time (V4-Flash's W13 is 256 x 4096 x 4096)."""
+    from vllm_dsv4.loader.dequant import quant_mxfp4
+
+    packed = torch.empty(E, out, inp // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(E, out, inp // 32, dtype=torch.uint8, device=device)
+    step = max(1, (1 << 24) // max(1, out * inp))
+    for e0 in range(0, E, step):
+        n = min(step, E - e0)
+        w = _randn(g, n * out, inp, device=device, scale=gain * inp**-0.5)  # [n*out, inp]
+        j = torch.randint(-3, 3, (n * out, inp // 32, 1), generator=g).to(device)
+        w = (w.view(n * out, inp // 32, 32) * torch.exp2(j.float())).view(n * out, inp)
+        q, s = quant_mxfp4(w)
+        packed[e0 : e0 + n] = q.view(torch.uint8).view(n, out, inp // 2)
+        scale[e0 : e0 + n] = s.view(torch.uint8).view(n, out, inp // 32)
+    return packed, scale
+
+
+def moe_mxfp4_args(T: int, D: int, I: int, E: int, k: int, dtype=torch.bfloat16, p_skip: float = 0.2,
+                   p_hot: float = 0.0, limit: float = 10.0, seed: int = 0, device=DEVICE) -> tuple:
+    """``(x [T,D], weights [T,k] fp32, ids [T,k] int64, w13, w13_scale, w2, w2_scale, swiglu_limit)``.
+
+    ``ids`` are uniform over the E local experts (repeats allowed), a share ``p_hot`` of the slots
+    goes to expert 0 (an imbalanced router: one expert spans several row blocks), a share ``p_skip``
+    is ``E`` (another rank's expert: skipped), and so is every slot of token 0 when T > 1. Routing
+    weights are random and sum to 1.5 per token (V4's routed_scaling_factor). Sizes: x std 1, gate
+    and up std about 2 (a limit of 3 clamps about 15% of them), outputs std about 0.6
+    (W2 gain 0.2): the bf16 kernel's error scales with the output (test_moe_mxfp4_kernel.py), and
+    the absolute 1e-2 of the bf16 tolerance must cover it for outputs near 0."""
+    g = _gen(seed)
+    x = _randn(g, T, D, dtype=dtype, device=device)
+    weights = torch.rand(T, k, generator=g) + 0.1
+    weights = 1.5 * weights / weights.sum(-1, keepdim=True)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[torch.rand(T, k, generator=g) < p_hot] = 0
+    ids[torch.rand(T, k, generator=g) < p_skip] = E
+    if T > 1:
+        ids[0] = E
+    w13, w13_scale = mxfp4_experts(g, E, 2 * I, D, device=device)
+    w2, w2_scale = mxfp4_experts(g, E, D, I, gain=0.2, device=device)
+    return x, weights.to(device), ids.to(device), w13, w13_scale, w2, w2_scale, limit
+
+
+def moe_mxfp4_bytes(T: int, D: int, I: int, E: int, k: int, dtype: torch.dtype) -> int:
+    """Each hit expert's codes and scales once (expected hit count under uniform routing), x and out."""
+    hit = round(E * (1 - (1 - 1 / E) ** (T * k)))
+    e = torch.finfo(dtype).bits // 8
+    return hit * (3 * D * I // 2 + 3 * D * I // 32) + 2 * T * D * e

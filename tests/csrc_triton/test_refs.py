@@ -19,6 +19,7 @@ from csrc_triton import indexer_ref, sparse_attn_ref
 from csrc_triton.compressor_ref import compress_windows, state_rows
 from csrc_triton.indexer_ref import indexer_topk
 from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
+from csrc_triton.moe_mxfp4_ref import decode_mxfp4, moe_experts_mxfp4
 from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, route, swiglu_clamped
@@ -223,6 +224,38 @@ def test_moe_experts_skips_the_not_on_this_rank_id():
     zeroed = torch.where(ids == E, torch.zeros_like(weights), weights)
     _close(moe_experts(x, weights, ids, w13, w2, L), moe_experts(x, zeroed, ids.clamp(max=E - 1), w13, w2, L))
     assert moe_experts(x, weights, ids, w13, w2, L)[1].abs().max() == 0
+
+
+def test_decode_mxfp4_equals_the_loaders_dequant():
+    """The reference's torch-only decode equals loader/dequant.py bit for bit: every byte of codes,
+    every scale byte (255 = NaN included), stacked experts, int8 codes and e8m0 scales as stored."""
+    from vllm_dsv4.loader.dequant import dequant_mxfp4
+
+    packed = torch.randint(0, 256, (3, 256, 64), dtype=torch.uint8)  # [E, out, in/2]
+    packed[0] = torch.arange(256, dtype=torch.uint8)[:, None]  # every byte
+    scale = torch.randint(0, 256, (3, 256, 4), dtype=torch.uint8)  # [E, out, in/32]
+    scale[1] = torch.arange(256, dtype=torch.uint8)[:, None]  # every exponent
+    got = decode_mxfp4(packed.view(torch.int8), scale.view(torch.float8_e8m0fnu))  # [E, out, in]
+    want = torch.stack([dequant_mxfp4(packed[e], scale[e]) for e in range(3)])
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_moe_experts_mxfp4_ref_is_moe_experts_on_dequantised_weights():
+    """Decoding only the hit experts changes nothing: same result as moe_experts on all of them,
+    with skipped ids (E) and an id nobody hit."""
+    from vllm_dsv4.loader.dequant import dequant_mxfp4, quant_mxfp4
+
+    E, k, D, I, L = 5, 3, 64, 32, 2.0
+    w13 = [quant_mxfp4(torch.randn(2 * I, D)) for _ in range(E)]
+    w2 = [quant_mxfp4(torch.randn(D, I)) for _ in range(E)]
+    x, weights = torch.randn(6, D), torch.rand(6, k)
+    ids = torch.tensor([[0, 5, 2], [5, 5, 5], [4, 0, 0], [2, 5, 4], [1, 2, 0], [4, 4, 1]])  # expert 3 unused
+    stack = lambda ws, i: torch.stack([w[i].view(torch.uint8) for w in ws])  # noqa: E731
+    out = moe_experts_mxfp4(x, weights, ids, stack(w13, 0), stack(w13, 1), stack(w2, 0), stack(w2, 1), L)
+    dense13 = torch.stack([dequant_mxfp4(*w) for w in w13])
+    dense2 = torch.stack([dequant_mxfp4(*w) for w in w2])
+    _close(out, moe_experts(x, weights, ids, dense13, dense2, L))
+    assert out[1].abs().max() == 0
 
 # ----------------------------------------------------------------------------------------- §5.4
 def test_state_rows_naive():

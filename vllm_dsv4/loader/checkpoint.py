@@ -114,7 +114,7 @@ class _Table:
     def expert_linear(self, name: str, out: int, inp: int) -> None:
         if not self.cfg.quantized:
             self.bf16(name, out, inp)
-        elif self.cfg.expert_dtype == "fp4":
+        elif self.cfg.mxfp4_experts:
             self.add(name, (out, inp // 2), torch.int8)
             self.add(scale_name(name), (out, inp // MXFP4_BLOCK), torch.float8_e8m0fnu)
         else:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.loader.checkpoint import CheckpointError, TensorSpec, expected_tensors, scale_name, validate
+from vllm_dsv4.loader.checkpoint import FP8_BLOCK, CheckpointError, TensorSpec, expected_tensors, scale_name, validate
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4, e8m0_to_float32
 from vllm_dsv4.loader.names import param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
@@ -66,6 +66,9 @@ def _place_quantized(weight_name: str, weight: torch.Tensor, scale: torch.Tensor
     if scale_target not in params:
         return {_place(weight_name, _dequantize(weight, scale), params, shard, num_experts)}
     # The scale follows its weight: same expert / half / shard, under the scale parameter's name.
+    dim = sharded_dim(weight_name)
+    if dim is not None and weight.dtype == torch.float8_e4m3fn:
+        shard.check_blocks(weight.shape[dim], FP8_BLOCK, weight_name)
     placed = _place(weight_name, weight, params, shard, num_experts)
     _place(weight_name, scale, {target: params[scale_target]}, shard, num_experts)
     return {placed, placed and scale_target}

@@ -122,5 +122,4 @@ class Attention(nn.Module):
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Block-diagonal per-group down-projection (§5.6): [T, H, d] -> [T, G * o_rank]."""
         grouped = o.reshape(o.shape[0], self.groups, -1)  # [T, G, H/G*d]
-        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)  # [G, R, H/G*d]
-        return torch.einsum("tgi,gri->tgr", grouped.to(w.dtype), w).flatten(1)
+        return self.wo_a.grouped(grouped).flatten(1)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
-from vllm_dsv4.model.layers import Linear, RMSNorm
+from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import MoE
 from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
@@ -18,7 +18,8 @@ from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
 class Block(nn.Module):
     """mHC-wrapped attention and MoE sub-layers over the n residual streams (§2)."""
 
-    def __init__(self, cfg: Dsv4Config, layer: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard):
+    def __init__(self, cfg: Dsv4Config, layer: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard,
+                 fp8: Mapping[str, int]):
         super().__init__()
         self.shard = shard
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -26,6 +27,7 @@ class Block(nn.Module):
         self.hc_attn, self.hc_ffn = HyperConnection(cfg), HyperConnection(cfg)
         self.attn = Attention(cfg, cfg.compress_ratio(layer), f"{prefix}.attn", vllm_config, kv_dtype, shard)
         self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
+        hold_fp8_linears(self, fp8, f"layers.{layer}")  # block by block: one block's bf16 weights in flight
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         y, post, comb = self.hc_attn.pre(streams)
@@ -44,10 +46,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.cfg = cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
         self.shard = shard = current_shard()  # layers raise ConfigError for dims that do not split
         dtype = vllm_config.model_config.dtype
+        fp8 = fp8_linears(cfg, shard)  # empty on the CPU path: every weight dequantised at load
         self.hc_mult = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Block(cfg, i, f"{prefix}.layers.{i}" if prefix else f"layers.{i}", vllm_config, dtype, shard)
+            Block(cfg, i, f"{prefix}.layers.{i}" if prefix else f"layers.{i}", vllm_config, dtype, shard, fp8)
             for i in range(cfg.num_hidden_layers)
         )
         self.hc_head = HyperHead(cfg)
@@ -75,4 +78,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm_dsv4.loader.load import load_official_weights
 
-        return load_official_weights(self.cfg, weights, dict(self.named_parameters()), self.shard)
+        loaded = load_official_weights(self.cfg, weights, dict(self.named_parameters()), self.shard)
+        for module in self.modules():  # vLLM post-processes quant methods only; ours finish here
+            if isinstance(module, Linear):
+                module.finish_loading()
+        return loaded

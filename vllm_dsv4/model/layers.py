@@ -2,22 +2,128 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4 import ops
+from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.loader.checkpoint import FP8_BLOCK, expected_tensors
+from vllm_dsv4.loader.names import param_target, sharded_dim
+from vllm_dsv4.model.parallel import Shard
 
 
 class Linear(nn.Module):
-    """``y = x W^T``. FP8 checkpoints are dequantised into ``weight`` at load (loader/)."""
+    """``y = x W^T``, W [out, in], in one of two storages.
+
+    Dequantised (the CPU path, and any weight not held in FP8): ``weight`` in the model dtype; the
+    loader dequantises FP8 checkpoints into it. FP8 (``hold_fp8``, on the GPU path): ``weight``
+    float8_e4m3fn [out, in] and ``weight_scale`` float32 [out/128, in/128], the checkpoint's bytes,
+    computed by ``ops.block_fp8_gemm`` once ``finish_loading`` has bound them to it.
+    """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.register_parameter("weight_scale", None)
+        self.groups = 1
+        self.gemms: tuple = ()  # one ops.block_fp8_gemm per row group, after finish_loading
+
+    def hold_fp8(self, groups: int = 1) -> None:
+        """Before loading: keep the checkpoint's FP8 bytes and block scales instead of dequantising.
+
+        ``groups`` > 1 splits the rows into independent GEMMs for ``grouped`` (each whole blocks).
+        """
+        rows = self.out_features // groups
+        if rows * groups != self.out_features or (groups > 1 and rows % FP8_BLOCK):
+            raise ValueError(f"{self.out_features} rows do not split into {groups} groups of whole "
+                             f"{FP8_BLOCK}-row FP8 blocks")
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=torch.float8_e4m3fn,
+                                               device=device), requires_grad=False)
+        blocks = (math.ceil(self.out_features / FP8_BLOCK), math.ceil(self.in_features / FP8_BLOCK))
+        self.weight_scale = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+        self.groups = groups
+
+    def finish_loading(self) -> None:
+        """After loading: bind each row group's FP8 weight to its GEMM (which may re-lay it out)."""
+        if self.weight_scale is None:
+            return
+        rows = self.out_features // self.groups
+        block_rows = rows // FP8_BLOCK if self.groups > 1 else self.weight_scale.shape[0]
+        self.gemms = tuple(
+            ops.block_fp8_gemm(self.weight.data[g * rows : (g + 1) * rows],
+                               self.weight_scale.data[g * block_rows : (g + 1) * block_rows])
+            for g in range(self.groups)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        """x [..., in] -> [..., out]."""
+        if self.weight_scale is None:
+            return F.linear(x.to(self.weight.dtype), self.weight)
+        if len(self._bound()) != 1:
+            raise ValueError(f"this FP8 linear holds {self.groups} row groups: call grouped()")
+        return self.gemms[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal linear (§5.6): x [T, G, in] -> [T, G, out/G], group g through rows g of W.
+
+        ``einsum('tgi,gri->tgr', x, W.view(G, out/G, in))``.
+        """
+        num_groups = x.shape[1]
+        if self.weight_scale is None:
+            w = self.weight.view(num_groups, -1, self.in_features)  # [G, R, in]
+            return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w)
+        if len(self._bound()) != num_groups:
+            raise ValueError(f"x has {num_groups} groups; this FP8 linear holds {self.groups}")
+        per_group = x.transpose(0, 1).contiguous()  # [G, T, in]: each group's rows contiguous for the GEMM
+        return torch.stack([gemm(xg) for gemm, xg in zip(self.gemms, per_group)], dim=1)
+
+    def _bound(self) -> tuple:
+        if not self.gemms:
+            raise RuntimeError("FP8 linear used before finish_loading() bound its weight to a GEMM")
+        return self.gemms
+
+
+def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_KERNELS) -> dict[str, int]:
+    """The one place deciding which linears stay FP8: checkpoint weight name -> row groups.
+
+    On the GPU path, every FP8 128x128-block weight of the official table (loader/checkpoint.py)
+    whose shape is whole blocks (the kernels quantise activations in 128-wide groups), except the
+    stacked routed experts (moe.py) and MTP; ``wo_a``'s rows are its ``o_groups`` output groups
+    (§5.6). Nothing on the CPU path or for an unquantised checkpoint: the loader dequantises every
+    weight not held. Raises ConfigError when tensor parallelism would cut a held weight's blocks.
+    """
+    if not (on_gpu and cfg.quantized):
+        return {}
+    specs = expected_tensors(cfg)
+    held = {}
+    for name, spec in specs.items():
+        if spec.dtype != torch.float8_e4m3fn or name.startswith("mtp.") or param_target(name)[1] is not None:
+            continue
+        if any(size % FP8_BLOCK for size in spec.shape):
+            continue
+        dim = sharded_dim(name)
+        if dim is not None:
+            shard.check_blocks(spec.shape[dim], FP8_BLOCK, name)
+        held[name] = shard.part(cfg.o_groups, "o_groups") if name.endswith(".attn.wo_a.weight") else 1
+    return held
+
+
+def hold_fp8_linears(module: nn.Module, held: Mapping[str, int], prefix: str) -> None:
+    """Switch the Linears of ``module`` (named ``prefix.*`` in the model) that ``held`` names to FP8."""
+    switched = set()
+    for name, child in module.named_modules(prefix=prefix):
+        if isinstance(child, Linear) and f"{name}.weight" in held:
+            child.hold_fp8(held[f"{name}.weight"])
+            switched.add(f"{name}.weight")
+    expected = {name for name in held if name.startswith(f"{prefix}.")}
+    if switched != expected:
+        raise ConfigError(f"the model has no Linear for FP8 weights {sorted(expected - switched)}")
 
 
 class RMSNorm(nn.Module):

@@ -50,13 +50,26 @@ class SharedExpert(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's routed experts, stacked: ``w13`` [E_local, 2I, D] (w1 rows first), ``w2`` [E_local, D, I]."""
+    """This rank's routed experts, stacked (w1 rows first in ``w13``), in one of two storages.
 
-    def __init__(self, cfg: Dsv4Config, shard: Shard):
+    Dequantised (the CPU path, FP8 or bf16 checkpoints): ``w13`` [E_local, 2I, D] and ``w2``
+    [E_local, D, I] in the model dtype; the loader dequantises into them. MXFP4, kept packed when
+    the checkpoint's experts are MXFP4 and ``on_gpu`` (the Triton kernels are in use): ``w13`` uint8
+    [E_local, 2I, D/2] + ``w13_scale`` uint8 [E_local, 2I, D/32], ``w2`` uint8 [E_local, D, I/2] +
+    ``w2_scale`` uint8 [E_local, D, I/32], the checkpoint's bytes (the loader copies raw bytes into
+    any ``<target>`` with a ``<target>_scale`` beside it), computed by ``ops.moe_experts_mxfp4``.
+    """
+
+    def __init__(self, cfg: Dsv4Config, shard: Shard, on_gpu: bool = ops.USE_KERNELS):
         super().__init__()
         e, i, d = shard.part(cfg.n_routed_experts, "n_routed_experts"), cfg.moe_intermediate_size, cfg.hidden_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
+        self.packed = on_gpu and cfg.mxfp4_experts
+        if self.packed:
+            self.w13, self.w13_scale = _bytes(e, 2 * i, d // 2), _bytes(e, 2 * i, d // 32)
+            self.w2, self.w2_scale = _bytes(e, d, i // 2), _bytes(e, d, i // 32)
+        else:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.first_expert, self.num_local = shard.rank * e, e
         self.limit = cfg.swiglu_limit
 
@@ -65,7 +78,15 @@ class Experts(nn.Module):
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local)
         local = torch.where(mine, local, torch.full_like(local, self.num_local))
+        if self.packed:
+            return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
+                                         self.limit)
         return ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
+
+
+def _bytes(*shape: int) -> nn.Parameter:
+    """Raw checkpoint bytes (explicitly uint8: vLLM's default dtype applies to float tensors only)."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
 class MoE(nn.Module):

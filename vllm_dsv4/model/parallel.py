@@ -28,6 +28,15 @@ class Shard:
             raise ConfigError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
         return total // self.size
 
+    def check_blocks(self, total: int, block: int, what: str) -> None:
+        """A weight held in FP8 is cut between its ``block``-wide scale blocks, or not at all."""
+        n = self.part(total, what)
+        if self.size > 1 and n % block:
+            fix = (f"use a tensor_parallel_size that divides {total // block}" if total % block == 0
+                   else f"{total} is not whole blocks, so only tensor_parallel_size=1 keeps it")
+            raise ConfigError(f"{what}: {total} split over tensor_parallel_size={self.size} leaves {n} per rank, "
+                              f"which cuts its {block}x{block} FP8 scale blocks; {fix}")
+
     def slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         n = self.part(tensor.shape[dim], f"dim {dim} of a {tuple(tensor.shape)} tensor")
         return tensor.narrow(dim, self.rank * n, n)

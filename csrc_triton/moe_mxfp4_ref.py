@@ -1,0 +1,80 @@
+"""Routed experts on MXFP4 weights (dsv4_architecture.md §3.3 storage, §6 math).
+
+The checkpoint's routed experts are MXFP4: e2m1 codes packed two per byte along the input dim (the
+even element in the low nibble) with one e8m0 scale byte per 1x32 block. This reference decodes the
+experts that received tokens and runs :func:`routing_ref.moe_experts` on them, so it defines the
+kernel's semantics (csrc_triton/moe_mxfp4.py) and is the GPU bisecting path
+(``VLLM_DSV4_OPS=reference``). The CPU model path dequantises at load instead (model/moe.py).
+
+Bytes: each hit expert's packed W13 and W2 once (``2I*D/2 + D*I/2`` codes, ``2I*D/32 + D*I/32``
+scales), plus x gathered k times.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from csrc_triton.routing_ref import moe_experts
+
+MXFP4_BLOCK = 32
+# e2m1 value of each 4-bit code: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def decode_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
+    """MXFP4 -> float32: ``W[..., o, i] = e2m1(code[..., o, i]) * 2^(scale[..., o, i // 32] - 127)``.
+
+    Args:
+        packed: ``[..., out, in/2]`` uint8 / int8; byte j holds element 2j (low nibble), 2j+1 (high).
+        scale: ``[..., out, in/32]`` e8m0 exponent bytes (uint8 or float8_e8m0fnu); 255 is NaN.
+
+    Returns:
+        ``[..., out, in]`` float32 (exact: e2m1 times a power of two).
+    """
+    packed = packed.view(torch.uint8)  # [..., o, in/2]
+    scale = scale.view(torch.uint8)  # [..., o, in/32]
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)  # [..., o, in]
+    values = E2M1.to(packed.device)[codes.int()]  # [..., o, in]
+    exp = scale.int() - 127  # [..., o, in/32]
+    pow2 = torch.where(scale == 255, float("nan"), torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp))
+    blocks = values.unflatten(-1, (-1, MXFP4_BLOCK)) * pow2.unsqueeze(-1)  # [..., o, in/32, 32]
+    return blocks.flatten(-2)  # [..., o, in]
+
+
+def moe_experts_mxfp4(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    swiglu_limit: float,
+) -> Tensor:
+    """:func:`routing_ref.moe_experts` with MXFP4 expert weights (§6 steps 4-5).
+
+    Only experts that received a token are decoded (one host sync for the set), so the fp32 copy
+    stays proportional to the hit experts.
+
+    Args:
+        x: ``[T, D]`` post-``ffn_norm`` activations.
+        weights: ``[T, k]`` routing weights (fp32).
+        ids: ``[T, k]`` local expert ids in ``[0, E_local]``; ``E_local`` is skipped (another rank's).
+        w13: ``[E_local, 2I, D/2]`` uint8 packed, rows ``[:I]`` = W1 (gate), ``[I:]`` = W3 (up).
+        w13_scale: ``[E_local, 2I, D/32]`` uint8 e8m0.
+        w2: ``[E_local, D, I/2]`` uint8 packed.
+        w2_scale: ``[E_local, D, I/32]`` uint8 e8m0.
+        swiglu_limit: L.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``, accumulated in fp32.
+    """
+    E = w13.shape[0]
+    ids = torch.where((ids >= 0) & (ids < E), ids.long(), E)  # [T, k] anything else is skipped too
+    hit = torch.unique(ids[ids < E])  # [H] sorted local ids
+    compact = torch.full((E + 1,), hit.numel(), dtype=torch.long, device=ids.device)  # [E+1] E -> skip id H
+    compact[hit] = torch.arange(hit.numel(), device=ids.device)
+    w13_f = decode_mxfp4(w13[hit], w13_scale[hit])  # [H, 2I, D]
+    w2_f = decode_mxfp4(w2[hit], w2_scale[hit])  # [H, D, I]
+    return moe_experts(x, weights, compact[ids], w13_f, w2_f, swiglu_limit)

@@ -1,0 +1,85 @@
+"""Triton moe_experts_mxfp4 against moe_mxfp4_ref (kernel link of the test chain).
+
+Tolerances: kernel_cases.assert_close. The kernel decodes the same weights the reference does (e2m1
+times a power of two has two significant bits: exact in bf16) and x is exact in its dtype, so the
+products are the reference's and the fp32 summation order differs, plus one rounding: like vLLM's
+fused MoE, the kernel keeps the SwiGLU output h in ``x.dtype`` for the second matmul, where the
+reference keeps it in fp32. With bf16 that is 2^-9 relative per element of h, independent over the
+I terms of an output: an error of about 1.7e-3 times the output's std (measured in torch, D = 4096,
+I = 2048, T = 300: 7e-3 at most over 1.2M outputs of std 0.58, the builder's scale). That fits
+bf16's 1e-2 + 1e-2 |ref| together with the outputs' own bf16 rounding (2^-8 relative), and
+1 - cosine = 3e-6 < 1e-4. Under the interpreter h stays fp32 (its fp32 -> bf16 cast truncates), so
+there only the output's rounding differs. With fp32 x, h is fp32 and the dots are IEEE fp32: 1e-5.
+
+Shapes: T = 0 and 1, k larger than E_local (repeated experts), dims that are multiples of 32 but
+not of the default tiles (the launcher narrows them), experts spanning several row blocks (both
+tile configs), all slots skipped; small enough for the interpreter. V4-Flash (D = 4096, I = 2048,
+E = 256, k = 6) and its TP = 2 half (E_local = 128) are `gpu`-marked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from csrc_triton.moe_mxfp4 import moe_experts_mxfp4  # noqa: E402
+from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4 as moe_experts_mxfp4_ref  # noqa: E402
+from tests.csrc_triton.kernel_cases import (  # noqa: E402
+    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, moe_mxfp4_args,
+)
+
+pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
+GPU = pytest.mark.gpu
+
+# (T, D, I, E_local, k, p_hot): swiglu_limit 3 (many gate / up values clamped).
+SHAPES = [
+    (0, 64, 32, 4, 2, 0.0),
+    (1, 32, 32, 1, 1, 0.0),
+    (1, 64, 32, 3, 6, 0.0),
+    (5, 96, 64, 3, 4, 0.0),
+    (17, 160, 96, 5, 3, 0.0),
+    (40, 64, 64, 8, 2, 0.6),  # expert 0: ~50 rows in 16-row blocks
+    (70, 96, 160, 2, 3, 0.0),  # ~100 rows per expert: 64-row blocks, 32-wide tiles for D = 96
+]
+# V4-Flash, swiglu_limit 10 as in its config.
+V4_FLASH = [
+    pytest.param(1, 4096, 2048, 256, 6, 0.0, marks=GPU),
+    pytest.param(16, 4096, 2048, 256, 6, 0.0, marks=GPU),
+    pytest.param(300, 4096, 2048, 256, 6, 0.0, marks=GPU),
+    pytest.param(64, 4096, 2048, 128, 6, 0.0, marks=GPU),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, D, I, E, k, p_hot", SHAPES)
+def test_moe_experts_mxfp4_matches_ref(T, D, I, E, k, p_hot, dtype):
+    args = moe_mxfp4_args(T, D, I, E, k, dtype, p_hot=p_hot, limit=3.0)
+    out = moe_experts_mxfp4(*args)
+    assert out.shape == (T, D)
+    assert_close(out, moe_experts_mxfp4_ref(*args), dtype)
+    if T > 1:  # token 0 has every slot skipped: exactly 0
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("T, D, I, E, k, p_hot", V4_FLASH)
+def test_moe_experts_mxfp4_v4_flash(T, D, I, E, k, p_hot):
+    args = moe_mxfp4_args(T, D, I, E, k, torch.bfloat16, p_hot=p_hot, limit=10.0)
+    assert_close(moe_experts_mxfp4(*args), moe_experts_mxfp4_ref(*args), torch.bfloat16)
+
+
+def test_moe_experts_mxfp4_all_skipped_is_zero():
+    """No slot on this rank: zeros, whatever the weights."""
+    x, weights, ids, *w, limit = moe_mxfp4_args(6, 64, 32, 4, 2, p_skip=1.0)
+    out = moe_experts_mxfp4(x, weights, ids, *w, limit)
+    assert torch.equal(out, torch.zeros_like(x))
+
+
+def test_moe_experts_mxfp4_int32_ids_and_e8m0_scales():
+    """ids as int32, scales as float8_e8m0fnu, codes as int8 (the checkpoint's dtypes) are accepted."""
+    x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(9, 64, 64, 4, 3, limit=3.0)
+    ref = moe_experts_mxfp4_ref(x, weights, ids, w13, s13, w2, s2, limit)
+    out = moe_experts_mxfp4(x, weights, ids.int(), w13.view(torch.int8), s13.view(torch.float8_e8m0fnu),
+                            w2.view(torch.int8), s2.view(torch.float8_e8m0fnu), limit)
+    assert_close(out, ref, x.dtype)
