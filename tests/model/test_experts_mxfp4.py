@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.loader.test_load import empty_params, stream
+from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import Checkpoint
 from vllm_dsv4.loader.load import load_official_weights
@@ -22,6 +23,7 @@ from vllm_dsv4.model.parallel import Shard
 
 LAYER = 2
 PREFIX = f"layers.{LAYER}.ffn.experts"
+DEVICE = "cuda" if ops.USE_KERNELS else "cpu"  # where ops.moe_experts_mxfp4 runs (kernel or reference)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def loaded(tiny_ckpt):
         params = empty_params(cfg, ckpt)
         params.update({f"{PREFIX}.{name}": p for name, p in experts.named_parameters()})
         assert load_official_weights(cfg, stream(ckpt), params) == set(params)
-        both.append(experts)
+        both.append(experts.to(DEVICE))
     return cfg, ckpt, *both
 
 
@@ -44,7 +46,7 @@ def _routing(cfg: Dsv4Config, T: int, seed: int = 0):
     x = torch.randn(T, cfg.hidden_size, generator=g)
     weights = torch.rand(T, cfg.num_experts_per_tok, generator=g)
     ids = torch.randint(0, cfg.n_routed_experts, (T, cfg.num_experts_per_tok), generator=g)
-    return x, weights, ids
+    return x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
 
 
 def test_packed_parameters_hold_the_checkpoint_bytes(loaded):
@@ -52,7 +54,7 @@ def test_packed_parameters_hold_the_checkpoint_bytes(loaded):
     i = cfg.moe_intermediate_size
     assert packed.packed and {p.dtype for p in packed.parameters()} == {torch.uint8}
     for e in (0, cfg.n_routed_experts - 1):
-        raw = lambda n, part: ckpt.get(f"{PREFIX}.{e}.{n}.{part}").view(torch.uint8)  # noqa: E731
+        raw = lambda n, part: ckpt.get(f"{PREFIX}.{e}.{n}.{part}").view(torch.uint8).to(DEVICE)  # noqa: E731
         assert torch.equal(packed.w13[e, :i], raw("w1", "weight"))
         assert torch.equal(packed.w13[e, i:], raw("w3", "weight"))
         assert torch.equal(packed.w13_scale[e, i:], raw("w3", "scale"))
@@ -76,7 +78,7 @@ def test_tensor_parallel_ranks_sum_to_the_whole(loaded):
     half = cfg.n_routed_experts // 2
     partials = []
     for rank in range(2):
-        local = Experts(cfg, Shard(rank, 2), on_gpu=True)
+        local = Experts(cfg, Shard(rank, 2), on_gpu=True).to(DEVICE)
         for name, p in local.named_parameters():
             p.data.copy_(getattr(packed, name).data[rank * half : (rank + 1) * half])
         partials.append(local(x, weights, ids))
