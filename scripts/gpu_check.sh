@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU validation on a CUDA machine with vLLM 0.26 and this plugin installed, stage by stage, in the
+# order of value per minute (each stage fits a 10-minute slot). Logs go to $LOG_DIR (default ./gpu-logs).
+#
+#   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
+#   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV (~5 min)
+#   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (~4 min)
+#   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
+#   scripts/gpu_check.sh bench-intree  # the same for vLLM's in-tree DeepSeek-V4; then `report`
+#   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
+set -o pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR=${LOG_DIR:-gpu-logs}
+FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
+mkdir -p "$LOG_DIR"
+export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
+summary() { grep -E "passed|failed|GPU vs|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+
+flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
+  [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1
+}
+
+case "${1:-unit}" in
+  unit)
+    timeout 560 python -m pytest -q -p no:cacheprovider -rf --tb=line tests/csrc_triton tests/model tests/kv tests/loader \
+      > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
+  e2e)
+    timeout 560 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_generate.py \
+      -k "(chunked and 64) or preempt or fp8_kv" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;
+  gpu-path)
+    timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
+      > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;
+  bench-plugin | bench-intree)
+    engine=${1#bench-}
+    flash_checkpoint
+    timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" \
+      > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
+  report)
+    python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
+  *)
+    echo "unknown stage $1" >&2; exit 2 ;;
+esac
