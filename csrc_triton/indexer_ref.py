@@ -30,7 +30,9 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
     Args:
         q: ``[Tq, H, di]`` indexer queries, RoPE applied.
         weights: ``[Tq, H]`` scaled head weights.
-        keys: ``[N, di]`` indexer keys (normed, RoPE applied), entry w at row w.
+        keys: ``[N, di]`` indexer keys (normed, RoPE applied), entry w at row w, shared by all
+            queries; or ``[Tq, N, di]``, each query's own keys (a batch of decodes of different
+            requests, padded to the longest: rows past ``num_visible[t]`` are never selected).
         num_visible: ``[Tq]`` int64 number of visible entries (a prefix of the rows).
         topk: ``index_topk``.
 
@@ -43,17 +45,18 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
     at most ``_CHUNK_ELEMS`` fp32 scores are live.
     """
     Tq, H, _ = q.shape
-    N = keys.shape[0]
+    N = keys.shape[-2]
     out = torch.full((Tq, topk), -1, dtype=torch.int64, device=q.device)  # [Tq, topk]
     k_eff = min(topk, N)
     if Tq == 0 or k_eff == 0:
         return out
-    keys_t = keys.float().t()  # [di, N]
+    per_query = keys.dim() == 3
+    keys_t = keys.float().transpose(-1, -2)  # [(Tq,) di, N]
     entry = torch.arange(N, device=q.device)  # [N]
     chunk = max(1, _CHUNK_ELEMS // max(1, H * N))
     for s in range(0, Tq, chunk):
         qc = q[s : s + chunk].float()  # [t, H, di]
-        logits = torch.relu(qc @ keys_t)  # [t, H, N]
+        logits = torch.relu(qc @ (keys_t[s : s + chunk] if per_query else keys_t))  # [t, H, N]
         score = torch.einsum("thn,th->tn", logits, weights[s : s + chunk].float())  # [t, N]
         nv = num_visible[s : s + chunk].to(q.device)  # [t]
         score = score.masked_fill(entry[None, :] >= nv[:, None], float("-inf"))  # [t, N]

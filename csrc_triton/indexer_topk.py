@@ -30,7 +30,7 @@ _CHUNK_ELEMS = 1 << 25
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, nv_ptr, score_ptr,
     H, N, di,
-    s_qt, s_qh, s_qd, s_wt, s_wh, s_kn, s_kd, s_st, s_sn,
+    s_qt, s_qh, s_qd, s_wt, s_wh, s_kt, s_kn, s_kd, s_st, s_sn,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DI: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -46,7 +46,7 @@ def _indexer_scores_kernel(
         vis = vis & (n < N)
         q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + c[None, :] * s_qd,
                     mask=h_ok[:, None] & c_ok[None, :], other=0.0)  # [BH, BDI]
-        k = tl.load(k_ptr + n[:, None].to(tl.int64) * s_kn + c[None, :] * s_kd,
+        k = tl.load(k_ptr + t * s_kt + n[:, None].to(tl.int64) * s_kn + c[None, :] * s_kd,
                     mask=vis[:, None] & c_ok[None, :], other=0.0)  # [BN, BDI]
         if DOT_F32:
             q = q.to(tl.float32)
@@ -68,12 +68,13 @@ def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor
     """Stage 1: ``[Tq, N]`` fp32 scores, -inf at ``w >= num_visible[t]``.
 
     Args:
-        q: ``[Tq, H, di]`` fp32 / bf16; weights ``[Tq, H]``; keys ``[N, di]`` (q's dtype);
-        num_visible: ``[Tq]`` integer.
+        q: ``[Tq, H, di]`` fp32 / bf16; weights ``[Tq, H]``; keys ``[N, di]`` shared or
+        ``[Tq, N, di]`` per query (q's dtype); num_visible: ``[Tq]`` integer.
     """
     Tq, H, di = q.shape
-    N = keys.shape[0]
-    assert keys.shape == (N, di) and keys.dtype == q.dtype, (keys.shape, keys.dtype, q.dtype)
+    N = keys.shape[-2]
+    assert keys.shape in ((N, di), (Tq, N, di)) and keys.dtype == q.dtype, (keys.shape, keys.dtype, q.dtype)
+    key_query_stride = keys.stride(0) if keys.dim() == 3 else 0
     assert weights.shape == (Tq, H) and num_visible.shape == (Tq,), (weights.shape, num_visible.shape)
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
     scores = torch.empty(Tq, N, dtype=torch.float32, device=q.device)
@@ -85,7 +86,7 @@ def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor
     _indexer_scores_kernel[(Tq, triton.cdiv(N, block_n))](
         q, weights, keys, num_visible.to(q.device), scores,
         H, N, di,
-        *q.stride(), *weights.stride(), *keys.stride(), *scores.stride(),
+        *q.stride(), *weights.stride(), key_query_stride, *keys.stride()[-2:], *scores.stride(),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DI=block_di,
         DOT_F32=_INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_h * block_n <= 8192 else 8,
@@ -99,7 +100,7 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
     Args:
         q: ``[Tq, H, di]`` indexer queries (RoPE applied), fp32 / bf16.
         weights: ``[Tq, H]`` scaled head weights.
-        keys: ``[N, di]`` indexer keys, same dtype as q.
+        keys: ``[N, di]`` indexer keys shared by all queries, or ``[Tq, N, di]`` per query; q's dtype.
         num_visible: ``[Tq]`` int64 visible prefix of the entries.
         topk: ``index_topk``.
 
@@ -108,7 +109,7 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
         ``topk - min(topk, num_visible[t])`` spare slots. Ties are broken by ``torch.topk``.
     """
     Tq = q.shape[0]
-    N = keys.shape[0]
+    N = keys.shape[-2]
     out = torch.full((Tq, topk), -1, dtype=torch.int64, device=q.device)  # [Tq, topk]
     k_eff = min(topk, N)
     if Tq == 0 or k_eff == 0:
@@ -117,7 +118,8 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
     chunk = max(1, _CHUNK_ELEMS // N)
     for s in range(0, Tq, chunk):
         nv = num_visible[s : s + chunk]  # [t]
-        score = indexer_scores(q[s : s + chunk], weights[s : s + chunk], keys, nv)  # [t, N]
+        chunk_keys = keys[s : s + chunk] if keys.dim() == 3 else keys
+        score = indexer_scores(q[s : s + chunk], weights[s : s + chunk], chunk_keys, nv)  # [t, N]
         idx = score.topk(k_eff, dim=-1).indices  # [t, k_eff]
         out[s : s + chunk, :k_eff] = torch.where(idx < nv[:, None], idx, -1)
     return out

@@ -71,3 +71,25 @@ def test_indexer_topk_chunked(monkeypatch):
 def test_indexer_topk_empty_queries():
     q, weights, keys, nv, _ = indexer_args([], 3, 4, 8, 2)
     assert indexer_topk(q, weights, keys, nv, 2).shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_visible, N, H, di, topk", [
+    pytest.param([0, 1, 5, 12, 3], 12, 16, 24, 4, id="decodes"),
+    pytest.param([130, 64, 129, 3], 130, 16, 16, 20, id="block-boundaries"),
+    pytest.param([4096, 2000, 513, 1] * 16, 4096, 64, 128, 512, id="flash-decode-batch", marks=GPU),
+])
+def test_indexer_topk_per_query_keys(num_visible, N, H, di, topk, dtype):
+    """Keys [Tq, N, di] (a batch of decodes of different requests): each row scored against its own."""
+    q, weights, _, nv, topk = indexer_args(num_visible, N, H, di, topk, dtype)
+    keys = torch.stack([indexer_args([1], N, 1, di, 1, dtype, seed=100 + t)[2] for t in range(len(num_visible))])
+    ref_scores = torch.stack([indexer_ref_scores(q[t : t + 1], weights[t : t + 1], keys[t])[0]
+                              for t in range(len(num_visible))]).cpu()
+    scale = ref_scores.abs().max().item()
+    scores = indexer_scores(q, weights, keys, nv).cpu()
+    visible = torch.arange(N)[None, :] < nv.cpu()[:, None]
+    torch.testing.assert_close(scores[visible].double(), ref_scores[visible], atol=1e-5 * max(1.0, scale), rtol=1e-5)
+    assert torch.isinf(scores[~visible]).all()
+    for impl in (indexer_topk, indexer_topk_ref):
+        assert_valid_topk(impl(q, weights, keys, nv, topk).cpu(), ref_scores, nv.cpu(), topk,
+                          tol=1e-4 * max(1.0, scale))

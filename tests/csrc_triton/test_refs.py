@@ -420,3 +420,13 @@ def test_sparse_attn_chunked_and_dtype(monkeypatch):
     monkeypatch.setattr(sparse_attn_ref, "_CHUNK_ELEMS", 4 * K * (d + H) - 1)  # chunks of 3 tokens
     assert torch.equal(sparse_attn(q, kv, valid, sink, d**-0.5), whole)
     _close(whole.float(), _attn_naive(q.float(), kv.float(), valid, sink, d**-0.5), atol=2e-2)
+
+
+def test_indexer_topk_per_query_keys_equal_one_call_per_query():
+    g = torch.Generator().manual_seed(5)
+    q, weights = torch.randn(6, 4, 8, generator=g), torch.randn(6, 4, generator=g)
+    keys, nv = torch.randn(6, 11, 8, generator=g), torch.tensor([0, 1, 4, 11, 7, 9])
+    batched = indexer_topk(q, weights, keys, nv, 5)
+    for t in range(6):
+        alone = indexer_topk(q[t : t + 1], weights[t : t + 1], keys[t], nv[t : t + 1], 5)
+        assert _index_sets(batched[t : t + 1]) == _index_sets(alone)

@@ -12,6 +12,10 @@ from vllm_dsv4.model.compressor import Compressor
 from vllm_dsv4.model.layers import Linear
 
 
+# Key entries gathered per batched decode call (requests x longest visible prefix): 2^22 x 128 values.
+DECODE_GATHER_ENTRIES = 1 << 22
+
+
 class Indexer(nn.Module):
     """Scores compressed indexer keys against per-head queries from the q latent ``c_q``."""
 
@@ -35,13 +39,36 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, Hi]
         num_visible = torch.div(positions + 1, 4, rounding_mode="floor")  # [T]
         selected = torch.full((x.shape[0], self.topk), -1, dtype=torch.long, device=x.device)
-        qsl = md.query_start_loc.tolist()
-        for r in range(md.num_reqs):  # keys differ per request; tokens of a request are batched
-            rows = slice(qsl[r], qsl[r + 1])
-            num_entries = int(num_visible[rows].max()) if qsl[r + 1] > qsl[r] else 0
-            if num_entries == 0:
-                continue
-            entries = torch.arange(num_entries, device=x.device)
-            keys = self.key_cache.read(md, torch.tensor(r, device=x.device), entries)  # [N, di]
-            selected[rows] = ops.indexer_topk(q[rows], weights[rows], keys.float(), num_visible[rows], self.topk)
+        qsl = md.query_start_loc  # CPU
+        single = (qsl[1:] - qsl[:-1]) == 1
+        decodes = torch.nonzero(single).flatten()
+        if len(decodes):  # batched: each token against its own request's keys, padded to the group's longest
+            rows = qsl[decodes]
+            visible = num_visible[rows.to(x.device)].cpu()
+            for group in groups_by_length(visible, DECODE_GATHER_ENTRIES):
+                r = rows[group].to(x.device)
+                selected[r] = self._select(md, q[r], weights[r], num_visible[r], decodes[group].to(x.device)[:, None],
+                                           int(visible[group[0]]))
+        for r in torch.nonzero(~single & (qsl[1:] > qsl[:-1])).flatten().tolist():  # prefill chunks, one by one
+            rows = slice(int(qsl[r]), int(qsl[r + 1]))  # a request's tokens share its keys
+            selected[rows] = self._select(md, q[rows], weights[rows], num_visible[rows],
+                                          torch.tensor(r, device=x.device), int(num_visible[rows].max()))
         return selected
+
+    def _select(self, md, q, weights, num_visible, req, num_entries: int) -> torch.Tensor:
+        """Top-k among the first ``num_entries`` keys of request(s) ``req`` (a scalar, or [B, 1] per row)."""
+        if num_entries == 0:
+            return torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
+        keys = self.key_cache.read(md, req, torch.arange(num_entries, device=q.device))  # [N, di] or [B, N, di]
+        return ops.indexer_topk(q, weights, keys.to(q.dtype), num_visible, self.topk)
+
+
+def groups_by_length(lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Indices of ``lengths``, longest first, in groups whose size x longest length stays within ``budget``."""
+    order = torch.argsort(lengths, descending=True)
+    groups, start = [], 0
+    while start < len(order):
+        size = max(1, budget // max(int(lengths[order[start]]), 1))
+        groups.append(order[start : start + size])
+        start += size
+    return groups
