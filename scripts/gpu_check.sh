@@ -3,7 +3,7 @@
 # order of value per minute (each stage fits a 10-minute slot). Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
-#   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV (~5 min)
+#   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (~4 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-intree  # the same for vLLM's in-tree DeepSeek-V4; then `report`
@@ -26,7 +26,7 @@ case "${1:-unit}" in
       > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
   e2e)
     timeout 560 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_generate.py \
-      -k "(chunked and 64) or preempt or fp8_kv" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;
+      tests/e2e/test_prefix_cache.py -k "(chunked and 64) or preempt or fp8_kv or cache" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;
   gpu-path)
     timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;

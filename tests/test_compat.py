@@ -53,6 +53,7 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     def forces_off(cls, vllm_config):  # what vLLM does without AMX
         vllm_config.scheduler_config.enable_chunked_prefill = False
         vllm_config.scheduler_config.max_num_batched_tokens = 4096
+        vllm_config.cache_config.enable_prefix_caching = False
 
     original = CpuPlatform.check_and_update_config
     try:
@@ -61,10 +62,10 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
         CpuPlatform.check_and_update_config(cfg)
     finally:
         CpuPlatform.check_and_update_config = original
-    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (True, 64)
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching) == (True, 64, True)
 
 
-def test_config_hook_turns_prefix_caching_off_and_fixes_block_size():
+def test_config_hook_keeps_prefix_caching_and_fixes_block_size():
     from types import SimpleNamespace
 
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
@@ -73,5 +74,5 @@ def test_config_hook_turns_prefix_caching_off_and_fixes_block_size():
     hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
     cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16))
     hook.verify_and_update_config(cfg)
-    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry

@@ -12,14 +12,13 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
 4. PATCH ``CpuPlatform.check_and_update_config`` (0.32) forces chunked prefill and prefix caching
    off, and raises ``max_num_batched_tokens`` to ``max_model_len``, for ``deepseek_v4`` unless the
    CPU has AMX, because vLLM's own DSV4 CPU kernels need AMX. Our CPU path is our own PyTorch and
-   supports chunked prefill, so ``patch_cpu_platform()`` restores the user's scheduler settings
-   after the platform hook runs. Delete when vLLM gates the rule on its own kernels being used.
+   supports chunked prefill and prefix caching, so ``patch_cpu_platform()`` restores the user's
+   settings after the platform hook runs. Delete when vLLM gates the rule on its own kernels being used.
 5. PATCH ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32): our subclass of the
-   in-tree hook keeps its quant-method rewrite, turns prefix caching off, which our cache
-   layers do not support yet (prefix-caching issue), and sets the block size to 256 tokens
-   unless the user chose a multiple of 128 (a compressed block must hold whole C128 entries; the
-   in-tree model gets 256 from its backend's kernel block size, ours accepts any). Runs before
-   the platform hook (4). Delete the prefix-caching part when prefix caching lands.
+   in-tree hook keeps its quant-method rewrite and sets the block size to 256 tokens unless the
+   user chose a multiple of 128 (a compressed block must hold whole C128 entries; the in-tree
+   model gets 256 from its backend's kernel block size, ours accepts any). Runs before the
+   platform hook (4). Delete when the in-tree hook stops depending on its backend for the size.
 6. Block-FP8 linear kernels (GPU path only) | ``vllm.model_executor.kernels.linear``:
    ``init_fp8_linear_kernel`` picks, for a weight shape, the kernel vLLM's own ``Fp8LinearMethod``
    would (CUDA order: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Marlin, Triton); the kernel reads
@@ -106,17 +105,18 @@ def patch_cpu_platform() -> None:
         sched = vllm_config.scheduler_config
         model_config = vllm_config.model_config
         is_dsv4 = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "deepseek_v4"
-        before = (sched.enable_chunked_prefill, sched.max_num_batched_tokens)
+        cache = vllm_config.cache_config
+        before = (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching)
         original(cls, vllm_config)
         if is_dsv4:
-            sched.enable_chunked_prefill, sched.max_num_batched_tokens = before
+            sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching = before
 
     check_and_update_config._dsv4_patched = True
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def patch_model_config_hook() -> None:
-    """Ledger 5: prefix caching off for DeepSeek-V4 served by the plugin."""
+    """Ledger 5: a 256-token cache block for DeepSeek-V4 served by the plugin."""
     from vllm.model_executor.models import config as model_configs
 
     in_tree = model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
@@ -130,9 +130,6 @@ def patch_model_config_hook() -> None:
         def verify_and_update_config(vllm_config) -> None:
             in_tree.verify_and_update_config(vllm_config)
             cache = vllm_config.cache_config
-            if cache.enable_prefix_caching:
-                logger.info("vllm-dsv4: prefix caching is not supported yet; disabling it")
-                cache.enable_prefix_caching = False
             if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
 

@@ -78,13 +78,14 @@ def main(job_path: str, out_path: str) -> None:
     batches = []
     for batch in job["batches"]:
         want_logprobs = batch.get("logprobs", False)
+        want_prompt_logprobs = batch.get("prompt_logprobs", want_logprobs)  # (vLLM skips prefix-cache hits for them)
         params = SamplingParams(
             temperature=0.0,
             max_tokens=job["max_tokens"],
             ignore_eos=True,
             detokenize=False,
             logprobs=-1 if want_logprobs else None,
-            prompt_logprobs=-1 if want_logprobs else None,
+            prompt_logprobs=-1 if want_prompt_logprobs else None,
         )
         prompt_ids = batch["prompts"]
         if "extend_with_batch" in batch:  # teacher forcing: each prompt followed by an earlier batch's output
@@ -98,10 +99,11 @@ def main(job_path: str, out_path: str) -> None:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         results = []
         for o in outputs:
-            r = {"tokens": list(o.outputs[0].token_ids)}
-            if want_logprobs:
+            r = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0}
+            if want_prompt_logprobs:
                 prompt_rows = [dense(d, vocab) for d in o.prompt_logprobs[1:]]
                 r["prompt_logprobs"] = torch.stack(prompt_rows) if prompt_rows else torch.empty(0, vocab).double()
+            if want_logprobs:
                 r["logprobs"] = torch.stack([dense(d, vocab) for d in o.outputs[0].logprobs])
             results.append(r)
         batches.append(results)
