@@ -33,8 +33,16 @@ def index_entry_bytes(index_dim: int) -> int:
 
 
 def _pow2_scale_exponent(amax: Tensor) -> Tensor:
-    """int32 k with 2^k the smallest power of two >= amax / 448 (amax floored at 1e-4)."""
-    return torch.ceil(torch.log2(amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX)).to(torch.int32)
+    """int32 k with 2^k the smallest power of two >= amax / 448 (amax floored at 1e-4).
+
+    ``ceil(log2(r))`` read off the fp32 bits of ``r = amax / 448``, as the official inference
+    kernel's ``fast_log2_ceil`` (its ``amax * fp32(1/448)`` gives the same k for every fp32 amax).
+    Exact, where an fp32 ``log2`` of ``r`` one ulp above ``2^k`` rounds to ``k`` when ``|k| >= 4``
+    (a scale too small). ``r`` is a positive normal number. The Triton codec (kv_cache.py) matches it.
+    """
+    r = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    bits = r.view(torch.int32)
+    return ((bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)).to(torch.int32)
 
 
 def _exp2(k: Tensor) -> Tensor:
@@ -50,7 +58,7 @@ def pack_main(x: Tensor, rope_dim: int) -> Tensor:
     xn = torch.nn.functional.pad(x[:, :nope].float(), (0, blocks * NOPE_BLOCK - nope)).view(n, blocks, NOPE_BLOCK)
     k = _pow2_scale_exponent(xn.abs().amax(-1))  # [N, blocks]
     q = (xn / _exp2(k)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out[:, :nope] = q.view(n, -1)[:, :nope].view(torch.uint8)
+    out[:, :nope] = q.flatten(1)[:, :nope].view(torch.uint8)
     out[:, nope : nope + 2 * rope_dim] = x[:, nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
     out[:, nope + 2 * rope_dim : nope + 2 * rope_dim + blocks] = (k + 127).to(torch.uint8)
     return out

@@ -17,13 +17,13 @@ from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, swiglu_clamped
 from csrc_triton.compressor_ref import state_rows
-from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
 
 USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
 
 if USE_KERNELS:
     from csrc_triton.compressor import compress_windows
     from csrc_triton.indexer_topk import indexer_topk
+    from csrc_triton.kv_cache import read_entries, write_entries
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.rope import apply_rope_tail
@@ -34,6 +34,7 @@ else:
     from csrc_triton.compressor_ref import compress_windows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm
     from csrc_triton.indexer_ref import indexer_topk
+    from csrc_triton.kv_cache_ref import read_entries, write_entries
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.rope_ref import apply_rope_tail
@@ -50,14 +51,12 @@ __all__ = [
     "mhc_pre",
     "moe_experts",
     "moe_experts_mxfp4",
-    "pack_index",
-    "pack_main",
+    "read_entries",
     "rms_norm",
     "rope_inv_freq",
     "route",
     "sparse_attn",
     "state_rows",
     "swiglu_clamped",
-    "unpack_index",
-    "unpack_main",
+    "write_entries",
 ]

@@ -298,3 +298,72 @@ def moe_mxfp4_bytes(T: int, D: int, I: int, E: int, k: int, dtype: torch.dtype) 
     hit = round(E * (1 - (1 - 1 / E) ** (T * k)))
     e = torch.finfo(dtype).bits // 8
     return hit * (3 * D * I // 2 + 3 * D * I // 32) + 2 * T * D * e
+
+
+# ------------------------------------------------------------------- cache entries (kv_cache)
+def kv_values(g: torch.Generator, n: int, dim: int, dtype=torch.float32, device=DEVICE) -> Tensor:
+    """``[n, dim]`` normals times ``10^j`` per 16 values, ``j`` in [-6, 3]: FP8 blocks whose amax
+    hits the 1e-4 floor, e4m3 subnormals, and scales over 30 binades."""
+    j = torch.randint(-6, 4, (n, dim // 16 + 1), generator=g).float().repeat_interleave(16, 1)[:, :dim]
+    return (torch.randn(n, dim, generator=g) * 10.0**j).to(dtype).to(device)
+
+
+def kv_view(g: torch.Generator, num_blocks: int, E: int, C: int, dtype: torch.dtype, entry_pad: int = 0,
+            device=DEVICE) -> Tensor:
+    """``[num_blocks, E, C]`` view into a pool of random contents (bytes for uint8): each page is
+    ``E * (C + entry_pad)`` elements at an offset of 3 in a row of 5 more (vLLM pads pages), and
+    entry ``e`` starts ``e * (C + entry_pad)`` into its page."""
+    row = E * (C + entry_pad) + 5
+    if dtype == torch.uint8:
+        pool = torch.randint(0, 256, (num_blocks, row), generator=g, dtype=torch.uint8)
+    else:
+        pool = torch.randn(num_blocks, row, generator=g).to(dtype)
+    return pool.to(device)[:, 3 : 3 + E * (C + entry_pad)].unflatten(1, (E, C + entry_pad))[..., :C]
+
+
+def kv_block_table(g: torch.Generator, R: int, max_blocks: int, device=DEVICE) -> tuple[Tensor, int]:
+    """``([R, max_blocks] int32 shuffled distinct block ids, num_blocks)``; 3 blocks stay unused."""
+    num_blocks = R * max_blocks + 3
+    return torch.randperm(num_blocks, generator=g)[: R * max_blocks].view(R, max_blocks).int().to(device), num_blocks
+
+
+def kv_read_args(req_shape: tuple, entry_shape: tuple, R: int, max_blocks: int, E: int, fp8=None,
+                 raw_dtype=torch.float32, raw_dim: int = 24, out_dtype=torch.float32, entry_pad: int = 0,
+                 encoded: bool = True, seed: int = 0, device=DEVICE) -> tuple:
+    """``(view, block_table, req, entry, E, fp8, out_dtype)`` of ``kv_cache_ref.read_entries``.
+
+    FP8 slots hold encoded entries of ``kv_values`` (``encoded``) or random bytes; raw slots random
+    normals in ``raw_dtype`` (then ``out_dtype`` is ``raw_dtype``). Entries are uniform over each
+    request's ``max_blocks * E`` and start with a block boundary (E - 1, E) where there is room."""
+    from csrc_triton.kv_pack_ref import pack_index, pack_main
+
+    g = _gen(seed)
+    bt, num_blocks = kv_block_table(g, R, max_blocks, device)
+    C = raw_dim if fp8 is None else fp8.entry_bytes
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    if fp8 is not None and encoded:
+        x = kv_values(g, num_blocks * E, fp8.value_dim, device=device)
+        view[:] = (pack_index(x) if fp8.rope_dim is None else pack_main(x, fp8.rope_dim)).view(num_blocks, E, C)
+    req = torch.randint(0, R, req_shape, generator=g)
+    entry = torch.randint(0, max_blocks * E, entry_shape, generator=g)
+    if entry.numel() >= 2 and max_blocks > 1:
+        entry.view(-1)[:2] = torch.tensor([E - 1, E])
+    return view, bt, req.to(device), entry.to(device), E, fp8, raw_dtype if fp8 is None else out_dtype
+
+
+def kv_write_args(R: int, n: int, max_blocks: int, E: int, fp8=None, raw_dtype=torch.float32, raw_dim: int = 24,
+                  values_dtype=torch.float32, entry_pad: int = 0, seed: int = 0, device=DEVICE) -> tuple:
+    """``(view, block_table, req [R n], entry [R n], E, values [R n, dim], fp8)`` of
+    ``kv_cache_ref.write_entries``: each request writes a run of ``n`` consecutive entries from a
+    random start (runs cross block boundaries), rows shuffled; the pool holds random contents."""
+    g = _gen(seed)
+    bt, num_blocks = kv_block_table(g, R, max_blocks, device)
+    C = raw_dim if fp8 is None else fp8.entry_bytes
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    start = torch.randint(0, max_blocks * E - n + 1, (R, 1), generator=g)
+    entry = (start + torch.arange(n)).flatten()  # [R n]
+    req = torch.arange(R).repeat_interleave(n)
+    perm = torch.randperm(R * n, generator=g)
+    values = kv_values(g, R * n, raw_dim if fp8 is None else fp8.value_dim, values_dtype, device)
+    return view, bt, req[perm].to(device), entry[perm].to(device), E, values, fp8
+

@@ -53,6 +53,22 @@ def test_main_entry_byte_layout_v4():
     assert (packed[:, 583] == 0).all()
 
 
+def test_scale_exponent_at_powers_of_two():
+    """Block amax at 448 * 2^k and one fp32 ulp either side: the exponent byte is ceil(log2(amax / 448))
+    taken in float64 (an fp32 log2 rounds it down to k just above 2^k when |k| >= 4)."""
+    amax = []
+    for k in range(-22, 40):
+        exact = torch.tensor(448 * 2.0**k)
+        amax += [torch.nextafter(exact, torch.tensor(0.0)), exact, torch.nextafter(exact, torch.tensor(1e38))]
+    amax = torch.stack(amax)  # [N]
+    x = 0.25 * amax[:, None].repeat(1, 512)
+    x[:, :448:64] = -amax[:, None]
+    want = torch.ceil(torch.log2(amax.double() / 448)).long()  # [N]
+    assert torch.equal(pack_main(x, 64)[:, 576:583].long(), (want + 127)[:, None].expand(-1, 7))
+    scale = pack_index(x[:, :128])[:, 128:].contiguous().view(torch.float32)[:, 0]
+    assert torch.equal(scale.double(), 2.0 ** want.double())
+
+
 def test_main_entry_error_is_within_e4m3_rounding():
     x = sample(200, 512, seed=2)
     err = (unpack_main(pack_main(x, 64), 512, 64, torch.float32) - x).abs()[:, :448]

@@ -46,33 +46,15 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         attn_metadata = get_forward_context().attn_metadata
         return attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
 
-    def _address(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor):
-        per_block = self.component.entries_per_block
-        block = md.block_table[req, torch.div(entry, per_block, rounding_mode="floor")]
-        return block.long(), entry % per_block
-
     def write(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N]."""
         view = compat.cache_view(self.kv_cache)
-        block, offset = self._address(md, req, entry)
-        view[block, offset] = self._encode(values).to(view.dtype)
+        comp = self.component
+        ops.write_entries(view, md.block_table, req, entry, comp.entries_per_block, values, comp.fp8)
 
     def read(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Entries [..., C] at ``entry`` [...] of requests ``req`` (broadcast); ``entry`` must be >= 0."""
         view = compat.cache_view(self.kv_cache)
-        block, offset = self._address(md, req, entry)
-        return self._decode(view[block, offset])
-
-    def _encode(self, values: torch.Tensor) -> torch.Tensor:
-        fp8 = self.component.fp8
-        if fp8 is None:
-            return values
-        return ops.pack_index(values) if fp8.rope_dim is None else ops.pack_main(values, fp8.rope_dim)
-
-    def _decode(self, entries: torch.Tensor) -> torch.Tensor:
-        fp8 = self.component.fp8
-        if fp8 is None:
-            return entries
-        if fp8.rope_dim is None:
-            return ops.unpack_index(entries, self.value_dtype)
-        return ops.unpack_main(entries, fp8.value_dim, fp8.rope_dim, self.value_dtype)
+        comp = self.component
+        dtype = view.dtype if comp.fp8 is None else self.value_dtype
+        return ops.read_entries(view, md.block_table, req, entry, comp.entries_per_block, comp.fp8, dtype)

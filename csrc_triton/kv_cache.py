@@ -1,0 +1,269 @@
+"""Cache entries read and written through the block table, FP8 codec fused, Triton.
+
+Matches :mod:`csrc_triton.kv_cache_ref` (same signatures and results, bit for bit): it fuses the
+block-table gather / scatter with ``kv_pack_ref.unpack_main`` / ``unpack_index`` on read and
+``pack_main`` / ``pack_index`` on write. One program per (row of the index tensors, block of
+``BLOCK_K`` entries): it looks each entry's block up, then decodes (encodes) the entry in registers,
+64 nope values (one scale) at a time for main KV, the whole key for an indexer entry.
+
+The codec is integer arithmetic on the fp32 bits, so it is exact and the same on every device and
+under the interpreter: e4m3 and bf16 rounding are round-to-nearest-even by hand, the scale exponent
+is ``ceil(log2(amax / 448))`` read off the bits (kv_pack_ref), scaling multiplies by a power of two.
+Decoded values (e4m3 times a power of two, or bf16) are exact in fp32 and bf16 outputs.
+
+Bytes (V4, FP8 main KV, bf16 out): a read moves 584 B in and 1024 B out per entry, plus its entry
+number (8 B) and block-table entry (4 B); a write 1024 B in and 584 B out. The reference moves the
+gathered bytes and fp32 temporaries several times over.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from csrc_triton.kv_pack_ref import NOPE_BLOCK, index_entry_bytes, main_entry_bytes
+
+
+@triton.jit
+def _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
+                s_v0, s_v1, E):
+    """[BK] pointers to the entries (a, b) of the index tensors: view[bt[req, e // E], e % E]."""
+    r = tl.load(req_ptr + a * s_ra + b * s_rb, mask=ok, other=0).to(tl.int64)
+    e = tl.load(entry_ptr + a * s_ea + b * s_eb, mask=ok, other=0).to(tl.int64)
+    blk = tl.load(bt_ptr + r * s_bt0 + (e // E) * s_bt1, mask=ok, other=0).to(tl.int64)
+    return view_ptr + blk * s_v0 + (e % E) * s_v1
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """uint8 e4m3fn codes -> fp32 (exact; 0x7F / 0xFF are NaN)."""
+    c = code.to(tl.uint32)
+    sign = (c & 0x80) << 24
+    exp = (c >> 3) & 0xF
+    man = c & 0x7
+    normal = ((exp + 120) << 23) | (man << 20)  # 2^(exp - 7) * (1 + man / 8)
+    subnormal = (man.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)  # man * 2^-9
+    bits = tl.where(exp == 0, subnormal, normal) | sign
+    value = bits.to(tl.float32, bitcast=True)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def _e4m3_encode(x):
+    """fp32 -> uint32 e4m3fn code, clamped to +-448, round to nearest even (torch's cast)."""
+    bits = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal (>= 2^-6): drop 20 of fp32's 23 mantissa bits, rounding to even; a carry bumps the exponent
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal: adding 2^14 leaves an ulp of 2^-9, the e4m3 subnormal step (the hardware rounds to even)
+    subnormal = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+    return tl.where(mag < 0x3C800000, subnormal, normal) | sign
+
+
+@triton.jit
+def _scale_exponent(amax):
+    """int32 k = ceil(log2(max(amax, 1e-4) / 448)) from the bits: amax = m 2^e, 448 = 1.75 2^8."""
+    bits = tl.maximum(amax, 1e-4).to(tl.uint32, bitcast=True)
+    e = (bits >> 23).to(tl.int32) - 127
+    return e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> uint32 holding the bf16 bits, round to nearest even (torch's cast)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _store_values(ptr, value, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 ``value``; bf16 rounded by hand (the interpreter's cast truncates)."""
+    if OUT_BF16:
+        value = _bf16_bits(value).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _read_kernel(
+    view_ptr, bt_ptr, req_ptr, entry_ptr, out_ptr,
+    B, E, C, D, nope, rope,
+    s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1, s_v0, s_v1, s_v2,
+    MAIN: tl.constexpr, INDEX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+    ok = b < B
+    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
+                      s_v0, s_v1, E)[:, None]  # [BK, 1]
+    o_row = out_ptr + (a * B + b)[:, None] * D  # [BK, 1]; D values per entry
+    if not (MAIN or INDEX):  # raw entries
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)[None, :]
+            m = ok[:, None] & (c < C)
+            tl.store(o_row + c, tl.load(row + c * s_v2, mask=m), mask=m)
+    elif MAIN:
+        scales = row + (nope + 2 * rope) * s_v2  # one ue8m0 byte per 64 nope values
+        for c0 in range(0, nope, BLOCK_C):  # BLOCK_C = 64: one scale per tile
+            c = c0 + tl.arange(0, BLOCK_C)[None, :]
+            m = ok[:, None] & (c < nope)
+            q = _e4m3_decode(tl.load(row + c * s_v2, mask=m, other=0))
+            k = tl.load(scales + (c0 // BLOCK_C) * s_v2, mask=ok[:, None], other=127).to(tl.uint32)
+            scale = tl.where(k == 0, 0x400000, k << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+            _store_values(o_row + c, q * scale, m, OUT_BF16)
+        i = tl.arange(0, BLOCK_R)[None, :]
+        m = ok[:, None] & (i < rope)
+        lo = tl.load(row + (nope + 2 * i) * s_v2, mask=m, other=0).to(tl.uint32)
+        hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=m, other=0).to(tl.uint32)
+        value = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32
+        _store_values(o_row + nope + i, value, m, OUT_BF16)
+    else:  # indexer key
+        c = tl.arange(0, BLOCK_C)[None, :]
+        m = ok[:, None] & (c < nope)
+        q = _e4m3_decode(tl.load(row + c * s_v2, mask=m, other=0))
+        j = tl.arange(0, 4)[None, :]
+        sb = tl.load(row + (nope + j) * s_v2, mask=ok[:, None], other=0).to(tl.uint32)  # [BK, 4] little-endian
+        scale = tl.sum(sb << (8 * j).to(tl.uint32), axis=1).to(tl.float32, bitcast=True)  # [BK]
+        _store_values(o_row + c, q * scale[:, None], m, OUT_BF16)
+
+
+@triton.jit
+def _write_kernel(
+    view_ptr, bt_ptr, req_ptr, entry_ptr, val_ptr,
+    B, E, C, D, nope, rope,
+    s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1, s_v0, s_v1, s_v2,
+    MAIN: tl.constexpr, INDEX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    a = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+    ok = b < B
+    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
+                      s_v0, s_v1, E)[:, None]  # [BK, 1]
+    v_row = val_ptr + (a * B + b)[:, None] * D  # [BK, 1]
+    if not (MAIN or INDEX):  # raw entries
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)[None, :]
+            m = ok[:, None] & (c < C)
+            tl.store(row + c * s_v2, tl.load(v_row + c, mask=m), mask=m)
+    elif MAIN:
+        scales = row + (nope + 2 * rope) * s_v2
+        for c0 in range(0, nope, BLOCK_C):  # BLOCK_C = 64: one scale per tile
+            c = c0 + tl.arange(0, BLOCK_C)[None, :]
+            m = ok[:, None] & (c < nope)
+            x = tl.load(v_row + c, mask=m, other=0.0).to(tl.float32)  # [BK, 64]; the tail block padded with 0
+            k = _scale_exponent(tl.max(tl.abs(x), axis=1))[:, None]  # [BK, 1]
+            inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
+            tl.store(row + c * s_v2, _e4m3_encode(x * inv).to(tl.uint8), mask=m)
+            tl.store(scales + (c0 // BLOCK_C) * s_v2, (k + 127).to(tl.uint8), mask=ok[:, None])
+        i = tl.arange(0, BLOCK_R)[None, :]
+        m = ok[:, None] & (i < rope)
+        bits = _bf16_bits(tl.load(v_row + nope + i, mask=m, other=0.0).to(tl.float32))
+        tl.store(row + (nope + 2 * i) * s_v2, (bits & 0xFF).to(tl.uint8), mask=m)
+        tl.store(row + (nope + 2 * i + 1) * s_v2, (bits >> 8).to(tl.uint8), mask=m)
+        p = nope + 2 * rope + (nope + BLOCK_C - 1) // BLOCK_C + tl.arange(0, 8)[None, :]  # pad to 8 B: zeros
+        tl.store(row + p * s_v2, tl.zeros([BLOCK_K, 8], tl.uint8), mask=ok[:, None] & (p < C))
+    else:  # indexer key
+        c = tl.arange(0, BLOCK_C)[None, :]
+        m = ok[:, None] & (c < nope)
+        x = tl.load(v_row + c, mask=m, other=0.0).to(tl.float32)  # [BK, BC]
+        k = _scale_exponent(tl.max(tl.abs(x), axis=1))[:, None]  # [BK, 1]
+        inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        tl.store(row + c * s_v2, _e4m3_encode(x * inv).to(tl.uint8), mask=m)
+        j = tl.arange(0, 4)[None, :]
+        scale_bits = ((k + 127) << 23).to(tl.uint32)  # fp32 2^k, stored little-endian
+        tl.store(row + (nope + j) * s_v2, ((scale_bits >> (8 * j).to(tl.uint32)) & 0xFF).to(tl.uint8),
+                 mask=ok[:, None])
+
+
+def _index_2d(req: Tensor, entry: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """``req`` and ``entry`` broadcast to ``shape`` and viewed as ``[A, B]`` (B the last axis); no
+    copy for the usual ``[T, 1]`` x ``[T, K]``."""
+    req, entry = (t.expand(shape) for t in (req, entry))
+    cols = shape[-1] if len(shape) else 1
+    return req.reshape(-1, cols), entry.reshape(-1, cols)
+
+
+def _mode(view: Tensor, fp8) -> tuple[str, int, int, int]:
+    """(kind: raw / main / index, value_dim, nope (FP8 values), rope) of the component, checking
+    the entry width."""
+    C = view.shape[-1]
+    if fp8 is None:
+        return "raw", C, 0, 0
+    assert view.dtype == torch.uint8, view.dtype
+    if fp8.rope_dim is None:
+        assert C == index_entry_bytes(fp8.value_dim), (C, fp8)
+        return "index", fp8.value_dim, fp8.value_dim, 0
+    assert C == main_entry_bytes(fp8.value_dim, fp8.rope_dim), (C, fp8)
+    return "main", fp8.value_dim, fp8.value_dim - fp8.rope_dim, fp8.rope_dim
+
+
+def _launch(kernel, view, block_table, req2, entry2, data, mode, dim, nope, rope, entries_per_block, **extra):
+    A, B = req2.shape
+    C = view.shape[-1]
+    if mode == "main":
+        block_c = NOPE_BLOCK
+    elif mode == "index":
+        block_c = triton.next_power_of_2(nope)
+    else:
+        block_c = min(triton.next_power_of_2(C), 256)
+    block_k = max(1, min(triton.next_power_of_2(B), 4096 // block_c, 64))
+    kernel[(A, triton.cdiv(B, block_k))](
+        view, block_table, req2, entry2, data,
+        B, entries_per_block, C, dim, nope, rope,
+        *req2.stride(), *entry2.stride(), *block_table.stride(), *view.stride(),
+        MAIN=mode == "main", INDEX=mode == "index", BLOCK_K=block_k, BLOCK_C=block_c,
+        BLOCK_R=max(2, triton.next_power_of_2(rope)), **extra,
+    )
+
+
+def read_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int,
+                 fp8, out_dtype: torch.dtype) -> Tensor:
+    """Triton :func:`kv_cache_ref.read_entries` (same arguments and result, exact).
+
+    Args:
+        view: ``[num_blocks, E, C]``, any strides (a view into vLLM's block-outermost pool); uint8
+            when ``fp8`` is set.
+        block_table: ``[R, max_blocks]`` int32 / int64.
+        req, entry: int index tensors that broadcast together (``entry >= 0``).
+        entries_per_block: ``E``.
+        fp8: None or the FP8 entry spec (``value_dim``, ``rope_dim``).
+        out_dtype: dtype of the result; FP8 decodes are exact in fp32 and bf16.
+
+    Returns:
+        ``[..., value_dim]`` in ``out_dtype``.
+    """
+    assert view.dim() == 3 and block_table.dim() == 2, (view.shape, block_table.shape)
+    mode, dim, nope, rope = _mode(view, fp8)
+    shape = torch.broadcast_shapes(req.shape, entry.shape)
+    out = torch.empty(*shape, dim, dtype=view.dtype if mode == "raw" else out_dtype, device=view.device)
+    if out.numel():
+        req2, entry2 = _index_2d(req, entry, shape)
+        _launch(_read_kernel, view, block_table, req2, entry2, out, mode, dim, nope, rope, entries_per_block,
+                OUT_BF16=out.dtype == torch.bfloat16 and mode != "raw")
+    return out.to(out_dtype)  # raw entries: cast by torch (no-op when the dtype matches)
+
+
+def write_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int,
+                  values: Tensor, fp8) -> None:
+    """Triton :func:`kv_cache_ref.write_entries` (same arguments, identical bytes written).
+
+    Args:
+        view: as for :func:`read_entries`; written in place.
+        block_table, req, entry, entries_per_block: as for :func:`read_entries`; ``req`` and ``entry``
+            broadcast to ``values.shape[:-1]``; each (request, entry) at most once.
+        values: ``[..., value_dim]`` float.
+        fp8: None (values cast to ``view.dtype``) or the FP8 entry spec (encoded).
+    """
+    assert view.dim() == 3 and block_table.dim() == 2, (view.shape, block_table.shape)
+    mode, dim, nope, rope = _mode(view, fp8)
+    assert values.shape[-1] == dim, (values.shape, dim)
+    if values.numel() == 0:
+        return
+    if mode == "raw":
+        values = values.to(view.dtype)
+    values = values.contiguous()
+    req2, entry2 = _index_2d(req, entry, values.shape[:-1])
+    _launch(_write_kernel, view, block_table, req2, entry2, values, mode, dim, nope, rope, entries_per_block)
