@@ -36,6 +36,21 @@ def count_preemptions() -> list:
     return calls
 
 
+def count_dummy_batches() -> list:
+    """Counts the steps this engine ran a dummy batch because another DP rank still had work."""
+    from vllm.v1.engine.core import EngineCore
+
+    calls = []
+    original = EngineCore.execute_dummy_batch
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    EngineCore.execute_dummy_batch = counted
+    return calls
+
+
 def generate_with_preemptions(llm, prompts, params, steps: set[int]) -> list:
     """Steps the engine by hand; after each step in ``steps`` every running request but the oldest
     is preempted through the scheduler's own method (its blocks freed, its tokens recomputed later).
@@ -71,7 +86,7 @@ def main(job_path: str, out_path: str) -> None:
     entry = ModelRegistry.models["DeepseekV4ForCausalLM"]
     assert entry.module_name.startswith("vllm_dsv4"), f"plugin not loaded: {entry}"
     job = json.load(open(job_path))
-    preemptions = count_preemptions()
+    preemptions, dummy_batches = count_preemptions(), count_dummy_batches()
     llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **job["engine"])
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -107,7 +122,7 @@ def main(job_path: str, out_path: str) -> None:
                 r["logprobs"] = torch.stack([dense(d, vocab) for d in o.outputs[0].logprobs])
             results.append(r)
         batches.append(results)
-    torch.save({"batches": batches, "preemptions": len(preemptions)}, out_path)
+    torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches)}, out_path)
 
 
 if __name__ == "__main__":

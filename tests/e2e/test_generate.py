@@ -5,8 +5,10 @@ Golden values come from transformers only; vLLM runs in its own process (run_vll
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +165,78 @@ def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, 
         assert ours["tokens"] == ref["tokens"]
         diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
         assert diff <= LOGIT_TOL
+
+
+def run_vllm_data_parallel(tmp_path: Path, model: Path, engine: dict, rank_jobs: list[dict], name: str,
+                           env: dict) -> list[dict]:
+    """One engine per DP rank, each in its own process, all at once: vLLM's offline data parallelism
+    (``LLM`` refuses ``data_parallel_size`` in one process; each rank's process names its place with
+    VLLM_DP_RANK / VLLM_DP_SIZE / VLLM_DP_MASTER_IP / VLLM_DP_MASTER_PORT). ``rank_jobs[r]`` holds
+    rank r's ``batches`` and ``max_tokens``. A rank that fails stops the others (they would wait in
+    a collective for it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs, log_files = [], [], []
+    for rank, rank_job in enumerate(rank_jobs):
+        dp_env = dict(env, VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(len(rank_jobs)),
+                      VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+        job = {"model": str(model), "engine": engine, "max_tokens": MAX_TOKENS, **rank_job, "env": dp_env}
+        job_path = tmp_path / f"{name}_dp{rank}.json"
+        job_path.write_text(json.dumps(job))
+        logs.append(tmp_path / f"{name}_dp{rank}.log")
+        log_files.append(logs[-1].open("w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(RUNNER), str(job_path), str(tmp_path / f"{name}_dp{rank}.pt")],
+            env=dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1"), cwd=tmp_path,
+            stdout=log_files[-1], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 900
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(1)
+    for f in log_files:
+        f.close()
+    for rank, p in enumerate(procs):
+        log = logs[rank].read_text()[-8000:]
+        assert p.returncode == 0, f"vLLM DP rank {rank} of {name} failed ({p.returncode}):\n{log}"
+    return [torch.load(tmp_path / f"{name}_dp{rank}.pt", weights_only=False) for rank in range(len(procs))]
+
+
+@pytest.mark.parametrize("tp, expert_parallel", [(1, False), (1, True), (2, True)], ids=["dp2", "dp2-ep", "dp2xtp2-ep"])
+def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked, tp, expert_parallel):
+    """Two DP ranks, each with its own requests and KV cache, whole attention (or TP-split inside
+    the DP rank); routed experts split over all DP x TP ranks, tokens exchanged in every MoE
+    (model/parallel.py). With or without ``enable_expert_parallel`` vLLM splits the experts over the
+    DP ranks; ours are whole experts either way. Rank 1 stops after 8 tokens, so for the rest it
+    runs vLLM's dummy batches, whose MoE must still meet rank 0's."""
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < 2 * tp:
+            pytest.skip(f"DP=2 x TP={tp} on GPU needs {2 * tp} GPUs")
+        env = {}
+    else:
+        if (os.cpu_count() or 1) < 2:
+            pytest.skip("DP=2 on CPU needs 2 cores")
+        # vllm-cpu gives DP rank r's TP workers the r-th group of tp entries (2 cores: shared under TP)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * tp)}
+    engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+    ranks = [[0, 2, 4], [1, 3]]  # REFERENCE_PROMPTS served by each DP rank
+    rank_jobs = [{"batches": [{"prompts": [REFERENCE_PROMPTS[i] for i in mine], "logprobs": True}], "max_tokens": n}
+                 for mine, n in zip(ranks, (MAX_TOKENS, 8))]
+    name = f"dp2tp{tp}" + ("ep" if expert_parallel else "")
+    results = run_vllm_data_parallel(tmp_path_factory.mktemp(name), tiny_ckpt_unquantized, engine, rank_jobs, name, env)
+    assert results[1]["dummy_batches"] > 0
+    for mine, result in zip(ranks, results):
+        for i, ours in zip(mine, result["batches"][0]):
+            ref = vllm_unchunked["batches"][0][i]
+            n = len(ours["tokens"])
+            assert ours["tokens"] == ref["tokens"][:n]
+            diff = torch.cat([ours["prompt_logprobs"] - ref["prompt_logprobs"], ours["logprobs"] - ref["logprobs"][:n]])
+            assert diff.abs().max().item() <= LOGIT_TOL, f"prompt {i}"
 
 
 def test_fp8_kv_cache_stays_within_fp8_error_of_the_fp32_cache(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked):

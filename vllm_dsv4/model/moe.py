@@ -9,7 +9,7 @@ from torch import nn
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_param
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.model.parallel import DpGroup, Shard, across_dp
 
 
 class Gate(nn.Module):
@@ -50,7 +50,8 @@ class SharedExpert(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's routed experts, stacked (w1 rows first in ``w13``), in one of two storages.
+    """This rank's routed experts (``Shard.experts_per_rank`` of them from ``Shard.first_expert``:
+    whole experts over all DP x TP ranks), stacked (w1 rows first in ``w13``), in one of two storages.
 
     Dequantised (the CPU path, FP8 or bf16 checkpoints): ``w13`` [E_local, 2I, D] and ``w2``
     [E_local, D, I] in the model dtype; the loader dequantises into them. MXFP4, kept packed when
@@ -62,7 +63,7 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: Dsv4Config, shard: Shard, on_gpu: bool = ops.USE_KERNELS):
         super().__init__()
-        e, i, d = shard.part(cfg.n_routed_experts, "n_routed_experts"), cfg.moe_intermediate_size, cfg.hidden_size
+        e, i, d = shard.experts_per_rank(cfg.n_routed_experts), cfg.moe_intermediate_size, cfg.hidden_size
         self.packed = on_gpu and cfg.mxfp4_experts
         if self.packed:
             self.w13, self.w13_scale = _bytes(e, 2 * i, d // 2), _bytes(e, 2 * i, d // 32)
@@ -70,7 +71,7 @@ class Experts(nn.Module):
         else:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
-        self.first_expert, self.num_local = shard.rank * e, e
+        self.first_expert, self.num_local = shard.first_expert(cfg.n_routed_experts), e
         self.limit = cfg.swiglu_limit
 
     def forward(self, x, weights, ids):
@@ -90,14 +91,23 @@ def _bytes(*shape: int) -> nn.Parameter:
 
 
 class MoE(nn.Module):
-    """Returns this rank's partial output (model/parallel.py)."""
+    """Returns this rank's partial output, to be all-reduced over the TP group (model/parallel.py).
 
-    def __init__(self, cfg: Dsv4Config, hashed: bool, shard: Shard):
+    Under data parallelism the routed experts see the tokens of every DP rank (``across_dp``):
+    routing happens here, on this rank's tokens; the shared expert stays on them.
+    """
+
+    def __init__(self, cfg: Dsv4Config, hashed: bool, shard: Shard, dp_group: DpGroup | None = None):
         super().__init__()
         self.gate = Gate(cfg, hashed)
         self.experts = Experts(cfg, shard)
         self.shared_experts = SharedExpert(cfg, shard)
+        self.shard, self.dp_group = shard, dp_group or DpGroup()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return (self.experts(x, weights, ids) + self.shared_experts(x)).to(x.dtype)
+        if self.shard.dp_size > 1:
+            routed = across_dp(self.experts, self.shard, self.dp_group, x, weights, ids)
+        else:
+            routed = self.experts(x, weights, ids)
+        return (routed + self.shared_experts(x)).to(x.dtype)

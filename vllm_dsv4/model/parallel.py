@@ -1,10 +1,21 @@
-"""Tensor parallelism as a transform of the one model definition (gpt-fast's ``apply_tp`` idea).
+"""Tensor, data and expert parallelism as a transform of the one model definition (gpt-fast's
+``apply_tp`` idea), in vLLM's layout.
 
-Sharded across TP ranks: query heads (``wq_b`` rows, ``attn_sink``), output groups (``wo_a`` rows,
-``wo_b`` columns), the shared expert's intermediate dim, and routed experts (whole experts per
-rank). Replicated: the single K=V latent head and everything that writes the KV caches (``wkv``,
+Tensor parallelism (TP) shards the attention's query heads (``wq_b`` rows, ``attn_sink``) and
+output groups (``wo_a`` rows, ``wo_b`` columns) and the shared expert's intermediate dim.
+Replicated: the single K=V latent head and everything that writes the KV caches (``wkv``,
 compressor, indexer), norms, mHC, router, embedding and head. Each block's attention and MoE
-outputs are partial sums, all-reduced once per sub-layer.
+outputs are partial sums, all-reduced over the TP group once per sub-layer.
+
+Data parallelism (DP, vLLM's ``data_parallel_size``) runs one engine per DP rank with its own
+requests, scheduler and KV cache; attention never leaves its DP rank. The routed experts are
+split over all DP x TP ranks (vLLM's EP group: rank ``dp_rank * tp_size + tp_rank``), whole
+experts per rank, and the tokens of all DP ranks meet in the MoE: vLLM's naive dispatch/combine,
+all-gather over the DP group (each rank padded to the step's largest DP rank) and reduce-scatter
+back. vLLM does this with and without ``enable_expert_parallel`` (FusedMoE flattens its TP across
+DP, ``FusedMoEParallelConfig.make``); the flag only picks whole experts (EP) or slices of every
+expert (no EP) per rank. Our routed experts are always whole per rank (already so under TP), so
+both settings place them the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +29,24 @@ from vllm_dsv4.config import ConfigError
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's slice: ``rank`` of ``size`` tensor-parallel ranks."""
+    """This process's place: TP ``rank`` of ``size``, DP ``dp_rank`` of ``dp_size``.
+
+    Routed experts are split over the ``ep_size = dp_size * size`` ranks of vLLM's EP group, this
+    one being ``ep_rank``; everything else TP-sharded is split over the ``size`` TP ranks only.
+    """
 
     rank: int = 0
     size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank * self.size + self.rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.dp_size * self.size
 
     def part(self, total: int, what: str) -> int:
         if total % self.size:
@@ -41,16 +66,28 @@ class Shard:
         n = self.part(tensor.shape[dim], f"dim {dim} of a {tuple(tensor.shape)} tensor")
         return tensor.narrow(dim, self.rank * n, n)
 
+    def experts_per_rank(self, num_experts: int) -> int:
+        if num_experts % self.ep_size:
+            raise ConfigError(f"n_routed_experts={num_experts} is not divisible by data_parallel_size x "
+                              f"tensor_parallel_size = {self.dp_size} x {self.size} (routed experts are "
+                              f"split, whole, over all of them)")
+        return num_experts // self.ep_size
+
+    def first_expert(self, num_experts: int) -> int:
+        return self.ep_rank * self.experts_per_rank(num_experts)
+
     def local_expert(self, expert: int, num_experts: int) -> int | None:
         """Index of ``expert`` among this rank's experts, None if another rank owns it."""
-        per_rank = self.part(num_experts, "n_routed_experts")
-        return expert - self.rank * per_rank if expert // per_rank == self.rank else None
+        per_rank = self.experts_per_rank(num_experts)
+        return expert - self.ep_rank * per_rank if expert // per_rank == self.ep_rank else None
 
 
 def current_shard() -> Shard:
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import get_dp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    return Shard(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    dp = get_dp_group()
+    return Shard(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), dp.rank_in_group,
+                 dp.world_size)
 
 
 def all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -59,3 +96,51 @@ def all_reduce(partial: torch.Tensor, shard: Shard) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(partial)
+
+
+class DpGroup:
+    """The three DP-group operations the MoE needs (vLLM's groups; tests substitute tensor ops)."""
+
+    def num_tokens(self, x: torch.Tensor) -> list[int]:
+        """Rows of each DP rank in this step, from vLLM's ``dp_metadata`` (set for every forward
+        under DP, dummy runs included); without it, exchanged here."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        meta = get_forward_context().dp_metadata if is_forward_context_available() else None
+        if meta is not None:
+            return [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+        return [int(n) for n in self.all_gather(torch.tensor([x.shape[0]], device=x.device)).tolist()]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Equal-shaped ``[n, ...]`` of every DP rank -> ``[dp_size * n, ...]`` in DP rank order."""
+        from vllm.distributed import get_dp_group
+
+        return get_dp_group().all_gather(tensor, dim=0)
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[dp_size * n, ...]`` summed over DP ranks; this rank's ``[n, ...]`` block."""
+        from vllm.distributed import get_dp_group
+
+        return get_dp_group().reduce_scatter(tensor, dim=0)
+
+
+def across_dp(compute, shard: Shard, group: DpGroup, x: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """``compute(x, weights, ids)`` (this rank's experts, a partial sum over experts) run on the
+    tokens of every DP rank; returns this rank's tokens' sum over the DP group's partials.
+
+    Each rank pads its ``[T, ...]`` rows to the step's largest T (padding picks expert -1, which no
+    rank owns, at weight 0), all-gathers them, computes, and reduce-scatters back. Every DP rank
+    calls this in every step (vLLM runs a dummy batch on idle ranks), T = 0 included.
+    """
+    sizes = group.num_tokens(x)
+    if sizes[shard.dp_rank] != x.shape[0]:
+        raise RuntimeError(f"DP rank {shard.dp_rank} runs {x.shape[0]} tokens, but vLLM's dp_metadata says {sizes}")
+    rows = max(sizes)
+    if rows == 0:  # every rank empty (all ranks agree, so none enters a collective)
+        return x.new_zeros(x.shape)
+    pad = rows - x.shape[0]
+    x_all = group.all_gather(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]))
+    w_all = group.all_gather(torch.cat([weights, weights.new_zeros(pad, *weights.shape[1:])]))
+    ids_all = group.all_gather(torch.cat([ids, ids.new_full((pad, *ids.shape[1:]), -1)]))
+    return group.reduce_scatter(compute(x_all, w_all, ids_all))[: x.shape[0]]
