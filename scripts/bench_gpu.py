@@ -11,7 +11,8 @@ plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming ev
     of the same batch with 1 output token (so prefill is not counted);
   * prefill tok/s at 8k and 32k tokens (one prompt, 1 output token);
   * KV-cache bytes, token capacity (vLLM's own max concurrency at ``max_model_len`` times
-    ``max_model_len``, the same formula for both engines) and bytes per token.
+    ``max_model_len``, the same formula for both engines) and bytes per token;
+  * with ``--profile-decode``, the kernels that dominate a decode step (torch profiler table).
 vLLM 0.26's in-tree model applies YaRN to window-only layers (fixed in 0.32): compare speed, not outputs.
 """
 
@@ -74,7 +75,7 @@ def kv_capacity(llm) -> dict:
 
 
 def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization: float,
-               decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS) -> dict:
+               decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS, profile_path: Path | None = None) -> dict:
     from vllm import LLM
 
     start = time.perf_counter()
@@ -93,7 +94,28 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
         seconds = timed_generate(llm, prompts(1, length, length, vocab), 1)
         result[f"prefill_tok_s_{length}"] = length / seconds
         print(f"[{name}] prefill {length}: {length / seconds:.0f} tok/s", flush=True)
+    if profile_path:
+        profile_decode(llm, prompts(16, PROMPT_LEN, 16, vocab), profile_path)
     return result
+
+
+def profile_decode(llm, batch, path: Path) -> Path | None:
+    """Which kernels dominate decode: CUDA kernels of a batch of 16 1k-token prompts decoding 16
+    tokens (the one prefill step is in the table too), sorted by device time, written to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    if not torch.cuda.is_available():
+        print("decode profile: needs CUDA (kernel times); skipped", flush=True)
+        return None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    llm.generate(batch, params, use_tqdm=False)  # warm-up
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(batch, params, use_tqdm=False)
+    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    print(f"decode profile -> {path}", flush=True)
+    return path
 
 
 def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
@@ -129,13 +151,16 @@ def main() -> int:
     ap.add_argument("--report", nargs="+", type=Path, help="print the table of saved runs and exit")
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="also write a torch-profiler kernel table of a decode run next to --out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:  # one engine, in this process
         ints = lambda csv: tuple(int(v) for v in csv.split(","))  # noqa: E731
+        profile_path = args.out.with_suffix(".profile.txt") if args.profile_decode else None
         result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
-                            ints(args.decode_batches), ints(args.prefill_lens))
+                            ints(args.decode_batches), ints(args.prefill_lens), profile_path)
         args.out.write_text(json.dumps(result, indent=2))
         return 0
     if args.report:
@@ -153,6 +178,7 @@ def main() -> int:
                "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens]
+        cmd += ["--profile-decode"] if args.profile_decode else []
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"[{name}] engine run failed", file=sys.stderr)
             continue

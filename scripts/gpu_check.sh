@@ -33,7 +33,7 @@ case "${1:-unit}" in
   bench-plugin | bench-intree)
     engine=${1#bench-}
     flash_checkpoint
-    timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" \
+    timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile-decode \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
