@@ -69,11 +69,16 @@ class Attention(nn.Module):
                                          caches[f"{main}_state"], self.main_cache)
         if ratio == 4:
             self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"])
+        extra_keys = {0: 0, 4: cfg.index_topk, 128: -(-vllm_config.model_config.max_model_len // 128)}[ratio]
+        entry_bytes = self.swa_cache.component.entry_bytes
+        # Per query of a pass: its keys gathered (raw entries, then decoded and concatenated in the model dtype).
+        self.pass_bytes_per_query = (self.window + extra_keys) * (entry_bytes + 2 * self.head_dim * kv_dtype.itemsize)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] post-attn_norm -> [T, D]."""
         md = self.swa_cache.metadata()
         if md is None:  # vLLM's profile / dummy run: no cache bound to this step
+            self._reserve_pass_memory(x)
             return torch.zeros_like(x)
         num_tokens = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
@@ -97,6 +102,12 @@ class Attention(nn.Module):
             o[rows] = ops.sparse_attn(q[rows], keys, valid, self.attn_sink, self.head_dim**-0.5)
         o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
         return self.wo_b(self._grouped_wo_a(o))
+
+    def _reserve_pass_memory(self, x: torch.Tensor) -> None:
+        """Allocate (and free) what one attention pass over ``x``'s tokens gathers, so that vLLM's
+        memory profile, which runs without caches, sees that peak before it sizes the KV cache."""
+        if x.is_cuda and x.shape[0]:
+            torch.empty(min(x.shape[0], QUERY_CHUNK) * self.pass_bytes_per_query, dtype=torch.uint8, device=x.device)
 
     def _window(self, md, req, positions):
         """The last ``window`` raw tokens up to and including each query, from the SWA cache."""
