@@ -27,19 +27,24 @@ def decode_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
 
     Args:
         packed: ``[..., out, in/2]`` uint8 / int8; byte j holds element 2j (low nibble), 2j+1 (high).
-        scale: ``[..., out, in/32]`` e8m0 exponent bytes (uint8 or float8_e8m0fnu); 255 is NaN.
+        scale: ``[..., out, in/32]`` e8m0 exponent bytes (uint8 or float8_e8m0fnu; 255 is NaN), or
+            their float32 values (V4-Flash-Base stores power-of-two scales as float32).
 
     Returns:
         ``[..., out, in]`` float32 (exact: e2m1 times a power of two).
     """
     packed = packed.view(torch.uint8)  # [..., o, in/2]
-    scale = scale.view(torch.uint8)  # [..., o, in/32]
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)  # [..., o, in]
     values = E2M1.to(packed.device)[codes.int()]  # [..., o, in]
-    exp = scale.int() - 127  # [..., o, in/32]
-    pow2 = torch.where(scale == 255, float("nan"), torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp))
+    pow2 = scale if scale.dtype == torch.float32 else _e8m0_values(scale.view(torch.uint8))  # [..., o, in/32]
     blocks = values.unflatten(-1, (-1, MXFP4_BLOCK)) * pow2.unsqueeze(-1)  # [..., o, in/32, 32]
     return blocks.flatten(-2)  # [..., o, in]
+
+
+def _e8m0_values(exponent: Tensor) -> Tensor:
+    """e8m0 bytes -> float32 ``2^(byte - 127)``; byte 255 is NaN."""
+    exp = exponent.int() - 127
+    return torch.where(exponent == 255, float("nan"), torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp))
 
 
 def moe_experts_mxfp4(

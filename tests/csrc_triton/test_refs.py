@@ -226,18 +226,24 @@ def test_moe_experts_skips_the_not_on_this_rank_id():
     assert moe_experts(x, weights, ids, w13, w2, L)[1].abs().max() == 0
 
 
-def test_decode_mxfp4_equals_the_loaders_dequant():
-    """The reference's torch-only decode equals loader/dequant.py bit for bit: every byte of codes,
-    every scale byte (255 = NaN included), stacked experts, int8 codes and e8m0 scales as stored."""
-    from vllm_dsv4.loader.dequant import dequant_mxfp4
+def test_decode_mxfp4_equals_the_oracle_decode():
+    """The decode (also the loader's, loader/dequant.py) equals the oracle's float64 bit arithmetic
+    exactly, signed zeros included: every byte of codes, every scale byte (255 = NaN), stacked
+    experts, int8 codes and e8m0 scales as stored, and float32 scale values (V4-Flash-Base)."""
+    from tests.oracle.hf_oracle import oracle_dequant_mxfp4
 
     packed = torch.randint(0, 256, (3, 256, 64), dtype=torch.uint8)  # [E, out, in/2]
     packed[0] = torch.arange(256, dtype=torch.uint8)[:, None]  # every byte
     scale = torch.randint(0, 256, (3, 256, 4), dtype=torch.uint8)  # [E, out, in/32]
     scale[1] = torch.arange(256, dtype=torch.uint8)[:, None]  # every exponent
     got = decode_mxfp4(packed.view(torch.int8), scale.view(torch.float8_e8m0fnu))  # [E, out, in]
-    want = torch.stack([dequant_mxfp4(packed[e], scale[e]) for e in range(3)])
-    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    want = torch.stack([oracle_dequant_mxfp4(packed[e], scale[e]) for e in range(3)])
+    nan = torch.isnan(want)
+    assert got.dtype == torch.float32 and torch.equal(torch.isnan(got), nan) and nan.any()
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    values = torch.ldexp(torch.ones(3, 256, 4), scale.int().clamp(max=254) - 127)  # as V4-Flash-Base stores them
+    want = torch.stack([oracle_dequant_mxfp4(packed[e], values[e]) for e in range(3)])
+    assert torch.equal(decode_mxfp4(packed, values).view(torch.int32), want.view(torch.int32))
 
 
 def test_moe_experts_mxfp4_ref_is_moe_experts_on_dequantised_weights():

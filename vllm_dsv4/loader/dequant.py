@@ -17,14 +17,12 @@ import math
 
 import torch
 
+from csrc_triton.moe_mxfp4_ref import decode_mxfp4
+
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 MXFP4_BLOCK = 32
 FP4_MAX = 6.0
-
-# e2m1 magnitudes by 3-bit code; bit 3 of the nibble is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_LUT = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 
 _E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127  # byte 0 .. 254 (255 is NaN)
 
@@ -88,10 +86,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             f"MXFP4 scale shape {tuple(scale.shape)} does not match weight [{out}, {inp}]: "
             f"want {(out, inp // MXFP4_BLOCK)}"
         )
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(out, inp)  # low nibble first
-    values = _E2M1_LUT.to(codes.device)[codes.to(torch.int64)]
-    s = _scale_to_float32(scale)
-    return (values.view(out, inp // MXFP4_BLOCK, MXFP4_BLOCK) * s.unsqueeze(-1)).view(out, inp)
+    return decode_mxfp4(packed, _scale_to_float32(scale))
 
 
 def _pow2_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
