@@ -37,14 +37,22 @@ REFERENCE_PROMPTS = make_prompts(PROMPT_LENS, seed=1)
 MIXED_PROMPTS = make_prompts(MIXED_LENS, seed=2)
 
 
+def runner_command(tmp_path: Path, name: str, job: dict) -> tuple[list[str], Path]:
+    """Writes ``job`` for run_vllm.py; returns its command line and the results file it will write."""
+    job_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
+    job_path.write_text(json.dumps(job))
+    return [sys.executable, str(RUNNER), str(job_path), str(out_path)], out_path
+
+
+def runner_env() -> dict:
+    return dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1")
+
+
 def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], name: str, env=None,
              max_tokens: int = MAX_TOKENS) -> dict:
     job = {"model": str(model), "engine": engine, "batches": batches, "max_tokens": max_tokens, "env": env or {}}
-    job_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
-    job_path.write_text(json.dumps(job))
-    env = dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, str(RUNNER), str(job_path), str(out_path)], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900)
+    cmd, out_path = runner_command(tmp_path, name, job)
+    proc = subprocess.run(cmd, env=runner_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return torch.load(out_path, weights_only=False)
 
@@ -177,19 +185,16 @@ def run_vllm_data_parallel(tmp_path: Path, model: Path, engine: dict, rank_jobs:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs, logs, log_files = [], [], []
+    procs, logs, log_files, out_paths = [], [], [], []
     for rank, rank_job in enumerate(rank_jobs):
         dp_env = dict(env, VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(len(rank_jobs)),
                       VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
         job = {"model": str(model), "engine": engine, "max_tokens": MAX_TOKENS, **rank_job, "env": dp_env}
-        job_path = tmp_path / f"{name}_dp{rank}.json"
-        job_path.write_text(json.dumps(job))
+        cmd, out_path = runner_command(tmp_path, f"{name}_dp{rank}", job)
+        out_paths.append(out_path)
         logs.append(tmp_path / f"{name}_dp{rank}.log")
         log_files.append(logs[-1].open("w"))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(RUNNER), str(job_path), str(tmp_path / f"{name}_dp{rank}.pt")],
-            env=dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_CPU_KVCACHE_SPACE="1"), cwd=tmp_path,
-            stdout=log_files[-1], stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, env=runner_env(), cwd=tmp_path, stdout=log_files[-1], stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 900
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -204,7 +209,7 @@ def run_vllm_data_parallel(tmp_path: Path, model: Path, engine: dict, rank_jobs:
     for rank, p in enumerate(procs):
         log = logs[rank].read_text()[-8000:]
         assert p.returncode == 0, f"vLLM DP rank {rank} of {name} failed ({p.returncode}):\n{log}"
-    return [torch.load(tmp_path / f"{name}_dp{rank}.pt", weights_only=False) for rank in range(len(procs))]
+    return [torch.load(out_path, weights_only=False) for out_path in out_paths]
 
 
 @pytest.mark.parametrize("tp, expert_parallel", [(1, False), (1, True), (2, True)], ids=["dp2", "dp2-ep", "dp2xtp2-ep"])
