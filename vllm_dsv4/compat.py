@@ -38,12 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_dsv4.loader.checkpoint import FP8_BLOCK
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("0.26", "0.32")
 DEFAULT_BLOCK_TOKENS = 256
 COMPRESSED_BLOCK_MULTIPLE = 128
-FP8_BLOCK = 128
 
 
 def vllm_version() -> str:
