@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from csrc_triton.kv_cache_ref import read_entries
+
 # Elements of the fp32 [tokens, heads, entries] score block materialised per chunk (128 MiB).
 _CHUNK_ELEMS = 1 << 25
 
@@ -63,3 +65,30 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
         idx = score.topk(k_eff, dim=-1).indices  # [t, k_eff]
         out[s : s + chunk, :k_eff] = torch.where(idx < nv[:, None], idx, -1)
     return out
+
+
+def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Tensor, req: Tensor,
+                       num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int) -> Tensor:
+    """:func:`indexer_topk` of a batch of decode queries, each against its own request's keys in a
+    paged cache component (the Triton kernel reads them in place; here they are gathered).
+
+    Args:
+        q: ``[B, H, di]`` indexer queries (RoPE applied); weights ``[B, H]`` scaled head weights.
+        view: ``[num_blocks, E, C]`` the indexer cache component (raw keys, or uint8 FP8 entries), any strides.
+        block_table: ``[R, max_blocks]`` int32 / int64, covering ``max_entries`` entries (vLLM's covers
+            ``max_model_len``): entry n of request r is ``view[block_table[r, n // E], n % E]``.
+        req: ``[B]`` int request of each row, < 0 for a padding row.
+        num_visible: ``[B]`` int64 visible prefix of the request's entries, ``<= max_entries``.
+        entries_per_block: ``E``.
+        fp8: None (raw keys) or the FP8 indexer entry spec (``rope_dim is None``).
+        topk: ``index_topk``.
+        max_entries: ``N``, static bound on ``num_visible``.
+
+    Returns:
+        ``[B, topk]`` int64 as :func:`indexer_topk`, every slot of a padding row -1.
+    """
+    entry = torch.arange(max_entries, device=q.device)  # [N]
+    # padding rows read request 0's keys (any valid row would do): their picks are dropped below
+    keys = read_entries(view, block_table, req.clamp(min=0)[:, None], entry, entries_per_block, fp8, q.dtype)
+    sel = indexer_topk(q, weights, keys, num_visible, topk)  # [B, topk]
+    return sel.masked_fill((req < 0)[:, None], -1)

@@ -9,7 +9,8 @@ block-table gather / scatter with ``kv_pack_ref.unpack_main`` / ``unpack_index``
 The codec is integer arithmetic on the fp32 bits, so it is exact and the same on every device and
 under the interpreter: e4m3 and bf16 rounding are round-to-nearest-even by hand, the scale exponent
 is ``ceil(log2(amax / 448))`` read off the bits (kv_pack_ref), scaling multiplies by a power of two.
-Decoded values (e4m3 times a power of two, or bf16) are exact in fp32 and bf16 outputs.
+Decoded values (e4m3 times a power of two, or bf16) are exact in fp32 and bf16 outputs. The encode
+helpers (``_store_e4m3`` ...) also serve kv_insert.py, which writes entries from registers.
 
 Bytes (V4, FP8 main KV, bf16 out): a read moves 584 B in and 1024 B out per entry, plus its entry
 number (8 B) and block-table entry (4 B); a write 1024 B in and 584 B out. The reference moves the
@@ -75,7 +76,38 @@ def _scale_exponent(amax):
 def _bf16_bits(x):
     """fp32 -> uint32 holding the bf16 bits, round to nearest even (torch's cast)."""
     bits = x.to(tl.uint32, bitcast=True)
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded)  # NaN payloads would round into inf or wrap to -0
+
+
+@triton.jit
+def _store_e4m3(ptr, x, k, mask):
+    """Store the uint8 e4m3 codes of fp32 ``x * 2^-k`` (``k`` int32, broadcast against ``x``)."""
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
+    tl.store(ptr, _e4m3_encode(x * inv).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_bf16_bytes(ptr, value, mask, s_v2):
+    """Store fp32 ``value`` as bf16 (round to nearest even), little-endian: bytes at ``ptr``, ``ptr + s_v2``."""
+    bits = _bf16_bits(value)
+    tl.store(ptr, (bits & 0xFF).to(tl.uint8), mask=mask)
+    tl.store(ptr + s_v2, (bits >> 8).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_main_pad(row, nope, rope, C, mask, s_v2, BLOCK_K: tl.constexpr, NOPE_BLOCK: tl.constexpr):
+    """Zero the pad of main entries ``row`` [BK, 1] after their scale bytes (up to 8 B, to entry width C)."""
+    p = nope + 2 * rope + (nope + NOPE_BLOCK - 1) // NOPE_BLOCK + tl.arange(0, 8)[None, :]
+    tl.store(row + p * s_v2, tl.zeros([BLOCK_K, 8], tl.uint8), mask=mask & (p < C))
+
+
+@triton.jit
+def _store_index_scale(ptr, k, mask, s_v2):
+    """Store the fp32 scale 2^k of indexer entries (``k`` [BK, 1] int32) as 4 little-endian bytes."""
+    j = tl.arange(0, 4)[None, :]
+    bits = ((k + 127) << 23).to(tl.uint32)
+    tl.store(ptr + j * s_v2, ((bits >> (8 * j).to(tl.uint32)) & 0xFF).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -155,27 +187,20 @@ def _write_kernel(
             m = ok[:, None] & (c < nope)
             x = tl.load(v_row + c, mask=m, other=0.0).to(tl.float32)  # [BK, 64]; the tail block padded with 0
             k = _scale_exponent(tl.max(tl.abs(x), axis=1))[:, None]  # [BK, 1]
-            inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k
-            tl.store(row + c * s_v2, _e4m3_encode(x * inv).to(tl.uint8), mask=m)
+            _store_e4m3(row + c * s_v2, x, k, m)
             tl.store(scales + (c0 // BLOCK_C) * s_v2, (k + 127).to(tl.uint8), mask=ok[:, None])
         i = tl.arange(0, BLOCK_R)[None, :]
         m = ok[:, None] & (i < rope)
-        bits = _bf16_bits(tl.load(v_row + nope + i, mask=m, other=0.0).to(tl.float32))
-        tl.store(row + (nope + 2 * i) * s_v2, (bits & 0xFF).to(tl.uint8), mask=m)
-        tl.store(row + (nope + 2 * i + 1) * s_v2, (bits >> 8).to(tl.uint8), mask=m)
-        p = nope + 2 * rope + (nope + BLOCK_C - 1) // BLOCK_C + tl.arange(0, 8)[None, :]  # pad to 8 B: zeros
-        tl.store(row + p * s_v2, tl.zeros([BLOCK_K, 8], tl.uint8), mask=ok[:, None] & (p < C))
+        value = tl.load(v_row + nope + i, mask=m, other=0.0).to(tl.float32)
+        _store_bf16_bytes(row + (nope + 2 * i) * s_v2, value, m, s_v2)
+        _store_main_pad(row, nope, rope, C, ok[:, None], s_v2, BLOCK_K, BLOCK_C)
     else:  # indexer key
         c = tl.arange(0, BLOCK_C)[None, :]
         m = ok[:, None] & (c < nope)
         x = tl.load(v_row + c, mask=m, other=0.0).to(tl.float32)  # [BK, BC]
         k = _scale_exponent(tl.max(tl.abs(x), axis=1))[:, None]  # [BK, 1]
-        inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-        tl.store(row + c * s_v2, _e4m3_encode(x * inv).to(tl.uint8), mask=m)
-        j = tl.arange(0, 4)[None, :]
-        scale_bits = ((k + 127) << 23).to(tl.uint32)  # fp32 2^k, stored little-endian
-        tl.store(row + (nope + j) * s_v2, ((scale_bits >> (8 * j).to(tl.uint32)) & 0xFF).to(tl.uint8),
-                 mask=ok[:, None])
+        _store_e4m3(row + c * s_v2, x, k, m)
+        _store_index_scale(row + nope * s_v2, k, ok[:, None], s_v2)
 
 
 def _index_2d(req: Tensor, entry: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:

@@ -201,6 +201,45 @@ def assert_valid_topk(sel: Tensor, scores: Tensor, num_visible: Tensor, topk: in
             assert lo >= hi - tol, (t, lo, hi)
 
 
+def indexer_paged_args(num_visible: list[int], req: list[int], R: int, N: int, H: int, di: int, topk: int,
+                       E: int, fp8=None, dtype=torch.float32, entry_pad: int = 3, seed: int = 0,
+                       device=DEVICE) -> tuple:
+    """``(q [B,H,di], weights [B,H], view, block_table, req [B], num_visible [B], E, fp8, topk, N)`` of
+    ``indexer_ref.indexer_topk_paged``. ``view`` is a strided window of a padded pool (``kv_view``: page
+    stride > ``E * C``) holding FP8 entries of normal keys (``fp8``) or normals in ``dtype``; the block
+    table is shuffled, column-major (neither stride 1 per row) and one block wider than ``N`` needs
+    (vLLM's covers ``max_model_len``); ``req`` int32, ``num_visible`` int64."""
+    from csrc_triton.kv_pack_ref import pack_index
+
+    g = _gen(seed)
+    B = len(num_visible)
+    q = _randn(g, B, H, di, dtype=dtype, device=device)
+    weights = _randn(g, B, H, device=device, scale=(di * H) ** -0.5)
+    bt, num_blocks = kv_block_table(g, R, -(-N // E) + 1, device)
+    C = di if fp8 is None else fp8.entry_bytes
+    view = kv_view(g, num_blocks, E, C, dtype if fp8 is None else torch.uint8, entry_pad, device)
+    if fp8 is not None:
+        view[:] = pack_index(_randn(g, num_blocks * E, di, device=device)).view(num_blocks, E, C)
+    bt = bt.t().contiguous().t()  # [R, max_blocks], strides (1, R)
+    req_t = torch.tensor(req, dtype=torch.int32, device=device)
+    return q, weights, view, bt, req_t, torch.tensor(num_visible, dtype=torch.int64, device=device), E, fp8, topk, N
+
+
+def assert_same_topk(sel: Tensor, ref: Tensor, scores: Tensor, tol: float) -> None:
+    """Per row, ``sel`` and ``ref`` (``[B, topk]``) hold the same entries and the same number of -1,
+    except for entries swapped at a tie: every entry picked by one only scores within ``tol`` of
+    every entry picked by the other only (``scores [B, N]`` float64)."""
+    assert sel.shape == ref.shape and sel.dtype == ref.dtype == torch.int64, (sel.shape, ref.shape, sel.dtype)
+    for t in range(sel.shape[0]):
+        a, b = sel[t].tolist(), ref[t].tolist()
+        picked = [i for i in a if i >= 0]
+        assert a.count(-1) == b.count(-1) and len(set(picked)) == len(picked), (t, a, b)
+        only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        if only_a:
+            gap = (scores[t, only_a][:, None] - scores[t, only_b][None, :]).abs().max().item()
+            assert gap <= tol, (t, only_a, only_b, gap)
+
+
 def indexer_bytes(Tq: int, H: int, di: int, N: int, topk: int, dtype: torch.dtype) -> int:
     """q once, keys once (shared by the queries), scores written and read once, indices written."""
     e = torch.finfo(dtype).bits // 8
@@ -367,3 +406,37 @@ def kv_write_args(R: int, n: int, max_blocks: int, E: int, fp8=None, raw_dtype=t
     values = kv_values(g, R * n, raw_dim if fp8 is None else fp8.value_dim, values_dtype, device)
     return view, bt, req[perm].to(device), entry[perm].to(device), E, values, fp8
 
+
+def kv_insert_args(N: int, D: int, r: int, fp8=None, raw_dtype=torch.float32, x_dtype=torch.float32, R: int = 3,
+                   max_blocks: int = 3, E: int = 4, entry_pad: int = 0, p_pad: float = 0.25, seed: int = 0,
+                   device=DEVICE) -> tuple:
+    """``(x [N, D], norm_weight [D], eps, rope_positions [N], inv_freq [r/2], view, block_table, req [N],
+    entry [N], E, fp8)`` of ``kv_insert_ref.norm_rope_insert``.
+
+    Rows write distinct (request, entry) slots spread over the shuffled block table; a share ``p_pad``
+    of them, and row 0 when N > 1, are padding: ``req = -1``, entry -1, x NaN (never read). x rows are
+    normals times ``10^j`` per row, ``j`` in [-3, 3]; the weight is normals times ``2^j`` per 16
+    channels, ``j`` in [-6, 2] (FP8 blocks of different scales). Positions within 512 of 2^16 (one 0),
+    compress-layer frequencies (theta 160000 + YaRN as V4). The pool holds random contents (``kv_view``)."""
+    from csrc_triton.rope_ref import rope_inv_freq
+
+    g = _gen(seed)
+    bt, num_blocks = kv_block_table(g, R, max_blocks, device)
+    C = D if fp8 is None else fp8.entry_bytes
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    per_req = max_blocks * E
+    assert N <= R * per_req, (N, R, per_req)
+    slots = torch.randperm(R * per_req, generator=g)[:N]
+    req, entry = slots // per_req, slots % per_req
+    pad = torch.rand(N, generator=g) < p_pad
+    pad[:1] = N > 1
+    req[pad], entry[pad] = -1, -1
+    x = torch.randn(N, D, generator=g) * 10.0 ** torch.randint(-3, 4, (N, 1), generator=g)
+    x[pad] = float("nan")
+    scale = 2.0 ** torch.randint(-6, 3, (D // 16 + 1,), generator=g).float().repeat_interleave(16)[:D]
+    weight = torch.randn(D, generator=g) * scale
+    positions = (1 << 16) - 512 + torch.randint(0, 1024, (N,), generator=g)
+    positions[-1:] = 0
+    inv_freq = rope_inv_freq(r, 160000.0, 16, 65536)
+    return (x.to(x_dtype).to(device), weight.to(device), 1e-6, positions.to(device), inv_freq.to(device), view, bt,
+            req.to(device), entry.to(device), E, fp8)

@@ -4,6 +4,10 @@ Scores: kernel_cases.assert_close against the formula (fp32 1e-5; bf16 inputs, f
 relative to the score scale as well). Selection: ties make "the same indices as the reference" the
 wrong check, so each row must be *a* valid top-k of the float64 scores (tolerance 1e-4 of the score
 scale), with -1 exactly in the spare slots; the reference passes the same check.
+
+Paged decode top-k (keys read through the block table, raw or FP8 entries): the kernel picks the same
+entry set per row as ``indexer_ref.indexer_topk_paged`` (swaps only at float64 ties), and that
+reference picks what the gather path does (each row alone against its request's visible keys).
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from csrc_triton import kv_cache_ref  # noqa: E402
 from csrc_triton.indexer_ref import indexer_topk as indexer_topk_ref  # noqa: E402
-from csrc_triton.indexer_topk import indexer_scores, indexer_topk  # noqa: E402
+from csrc_triton.indexer_ref import indexer_topk_paged as indexer_topk_paged_ref  # noqa: E402
+from csrc_triton.indexer_topk import indexer_scores, indexer_topk, indexer_topk_paged  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    DTYPE_IDS, DTYPES, SKIP_REASON, assert_valid_topk, indexer_args, indexer_ref_scores,
+    DTYPE_IDS, DTYPES, SKIP_REASON, assert_same_topk, assert_valid_topk, indexer_args, indexer_paged_args,
+    indexer_ref_scores,
 )
+from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
 GPU = pytest.mark.gpu
@@ -93,3 +101,72 @@ def test_indexer_topk_per_query_keys(num_visible, N, H, di, topk, dtype):
     for impl in (indexer_topk, indexer_topk_ref):
         assert_valid_topk(impl(q, weights, keys, nv, topk).cpu(), ref_scores, nv.cpu(), topk,
                           tol=1e-4 * max(1.0, scale))
+
+
+# (FP8 entries, q dtype): raw keys in q's dtype, or FP8 entries (di + 4 bytes) under either q dtype.
+PAGED_KINDS = {"raw_fp32": (False, torch.float32), "raw_bf16": (False, torch.bfloat16),
+               "fp8_fp32": (True, torch.float32), "fp8_bf16": (True, torch.bfloat16)}
+
+# (num_visible, req, R, N, H, di, topk, E): req -1 is a padding row (given num_visible N, which it
+# must ignore); num_visible 0, < topk, == topk, > topk and == N; topk > N; kernel blocks (32 / 64 /
+# 128 entries) and cache blocks (E) crossed; V4-Flash (H = 64, di = 128, top-512, E = 64).
+PAGED_CASES = [
+    pytest.param([0, 5, 8], [0, 1, -1], 2, 8, 16, 24, 4, 4, id="nv0-padding"),
+    pytest.param([1, 3, 4, 9, 20, 20], [2, 0, 1, 2, 1, -1], 3, 20, 17, 24, 4, 4, id="ragged-odd"),
+    pytest.param([6, 2], [0, 0], 1, 6, 16, 16, 8, 4, id="topk-above-N"),
+    pytest.param([130, 64, 129, 3, 65], [1, 0, 1, 2, 0], 3, 130, 16, 32, 20, 16, id="block-boundaries"),
+    pytest.param([200, 150, 17, 0, 200], [3, 1, 0, -1, 2], 4, 200, 64, 128, 16, 64, id="flash-dims"),
+    pytest.param([], [], 2, 8, 16, 16, 4, 4, id="no-queries"),
+    pytest.param([0, 0], [0, -1], 1, 0, 16, 16, 4, 4, id="no-entries"),
+    pytest.param([8192, 8000, 4096, 513, 512, 511, 100, 0, 8192, 3000, 1, 7000, 8192, 64, 65, 8192],
+                 [0, 1, 2, 3, 4, 5, 0, 1, -1, 2, 3, 4, 5, 0, 1, -1], 6, 8192, 64, 128, 512, 64,
+                 id="flash-decode", marks=GPU),
+]
+
+
+def _paged_scores(q, weights, view, bt, req, E, fp8, N) -> torch.Tensor:
+    """``[B, N]`` float64 scores of each row against its request's decoded keys (padding rows: request 0)."""
+    keys = kv_cache_ref.read_entries(view, bt, req.clamp(min=0)[:, None], torch.arange(N, device=q.device), E, fp8,
+                                     torch.float32)  # [B, N, di]
+    logits = torch.einsum("bhc,bnc->bhn", q.double(), keys.double()).clamp(min=0)
+    return torch.einsum("bhn,bh->bn", logits, weights.double()).cpu()
+
+
+@pytest.mark.parametrize("kind", PAGED_KINDS)
+@pytest.mark.parametrize("num_visible, req, R, N, H, di, topk, E", PAGED_CASES)
+def test_indexer_topk_paged_matches_ref(num_visible, req, R, N, H, di, topk, E, kind):
+    use_fp8, dtype = PAGED_KINDS[kind]
+    args = indexer_paged_args(num_visible, req, R, N, H, di, topk, E, Fp8Entry(di, None) if use_fp8 else None, dtype)
+    q, weights, view, bt, req_t, nv, E, fp8, topk, N = args
+    scores = _paged_scores(q, weights, view, bt, req_t, E, fp8, N)  # [B, N]
+    tol = 1e-5 * max(1.0, scores.abs().max().item() if scores.numel() else 1.0)
+    ref = indexer_topk_paged_ref(*args).cpu()
+    assert_same_topk(indexer_topk_paged(*args).cpu(), ref, scores, tol)
+    # the gather path: each row alone, against its request's visible keys only
+    for b, (r, n) in enumerate(zip(req, num_visible)):
+        if r < 0:
+            assert (ref[b] == -1).all()
+            continue
+        keys = kv_cache_ref.read_entries(view, bt, req_t[b], torch.arange(n, device=q.device), E, fp8, dtype)
+        alone = indexer_topk_ref(q[b : b + 1], weights[b : b + 1], keys, nv[b : b + 1], topk).cpu()
+        assert_same_topk(alone, ref[b : b + 1], scores[b : b + 1], tol)
+
+
+@GPU
+@pytest.mark.parametrize("kind", ["raw_bf16", "fp8_bf16"])
+def test_indexer_topk_paged_cuda_graph(kind):
+    """Captured in a CUDA graph (a host sync would fail the capture), then replayed with other requests,
+    padding and visible counts written into the same buffers: the reference's picks for those."""
+    use_fp8, dtype = PAGED_KINDS[kind]
+    args = indexer_paged_args([300, 0, 77, 512], [0, 1, -1, 2], 3, 1024, 64, 128, 64, 64,
+                              Fp8Entry(128, None) if use_fp8 else None, dtype)
+    q, weights, view, bt, req, nv, E, fp8, topk, N = args
+    indexer_topk_paged(*args)  # compiles the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk_paged(*args)
+    req.copy_(torch.tensor([2, -1, 0, 1]))
+    nv.copy_(torch.tensor([1024, 900, 5, 64]))
+    graph.replay()
+    scores = _paged_scores(q, weights, view, bt, req, E, fp8, N)
+    assert_same_topk(out.cpu(), indexer_topk_paged_ref(*args).cpu(), scores, 1e-5 * max(1.0, scores.abs().max().item()))

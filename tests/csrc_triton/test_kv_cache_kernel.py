@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from csrc_triton import kv_cache_ref  # noqa: E402
 from csrc_triton.kv_cache import read_entries, write_entries  # noqa: E402
-from tests.csrc_triton.kernel_cases import SKIP_REASON, kv_read_args, kv_write_args  # noqa: E402
+from tests.csrc_triton.kernel_cases import DEVICE, SKIP_REASON, kv_read_args, kv_write_args  # noqa: E402
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -158,7 +158,7 @@ def _edge_rows(dim: int, nope: int) -> torch.Tensor:
     bf16_ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(2 + 2**-7), 3 * 2**-9 * 2**-120])
     tie_row[nope:] = bf16_ties.repeat(dim)[: dim - nope]
     rows += [tie_row, torch.full((dim,), 1e30).index_fill(0, torch.tensor([2]), -7e29)]
-    return torch.stack(rows)
+    return torch.stack(rows).to(DEVICE)
 
 
 @pytest.mark.parametrize("fp8", [TINY_MAIN, V4_MAIN, TINY_INDEX], ids=["main_64_16", "main_512_64", "index_32"])

@@ -1,0 +1,133 @@
+"""RMSNorm, RoPE tail and cache insert of one vector per row, fused, Triton.
+
+Matches :func:`kv_insert_ref.norm_rope_insert` (same signature): it fuses ``norm_ref.rms_norm``,
+``rope_ref.apply_rope_tail`` and ``kv_cache_ref.write_entries`` (with kv_pack_ref's codecs). One
+program per block of rows loads each row once, norms it in fp32, rotates the tail's interleaved pairs
+(split from the row in registers), and encodes and scatters it through the block table with
+kv_cache.py's codec helpers. Rows with ``req < 0`` are masked out in the kernel: no host sync, a
+grid fixed by the shapes (capturable in a CUDA graph).
+
+Numerics: the reference's fp32 operations in its order, with its two roundings to ``x.dtype`` (after
+the norm, after the rotation; RNE by hand, as the interpreter's bf16 cast truncates). The mean of
+squares is summed in another order and rsqrt / cos / sin come from another library, so the fp32
+values before a rounding may differ by a few ulps, which now and then moves a bf16 or e4m3 rounding
+to the neighbouring value (tests/csrc_triton/test_kv_insert_kernel.py states the bounds).
+
+Bytes per row (V4 main KV, bf16 x, FP8 entry): 1024 in, 584 out, plus its position, request, entry
+and block-table entry (the norm weight and inv_freq are shared by all rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from csrc_triton.kv_cache import (
+    _bf16_bits,
+    _entry_rows,
+    _mode,
+    _scale_exponent,
+    _store_bf16_bytes,
+    _store_e4m3,
+    _store_index_scale,
+    _store_main_pad,
+    _store_values,
+)
+from csrc_triton.kv_pack_ref import NOPE_BLOCK
+
+
+@triton.jit
+def _round_to_x(y, X_BF16: tl.constexpr):
+    """fp32 ``y`` rounded to bf16 (nearest even) when x is bf16: the unfused ops' ``.to(x.dtype)``."""
+    if X_BF16:
+        y = (_bf16_bits(y) << 16).to(tl.float32, bitcast=True)
+    return y
+
+
+@triton.jit
+def _norm_rope_insert_kernel(
+    x_ptr, w_ptr, pos_ptr, freq_ptr, view_ptr, bt_ptr, req_ptr, entry_ptr,
+    N, D, pair0, E, C, nope, rope, eps,
+    s_xn, s_xd, s_w, s_pos, s_req, s_entry, s_bt0, s_bt1, s_v0, s_v1, s_v2,
+    MAIN: tl.constexpr, INDEX: tl.constexpr, X_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NOPE_BLOCK: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows
+    ok = tl.load(req_ptr + n * s_req, mask=n < N, other=-1) >= 0  # padded rows read and write nothing
+    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, 0, n, ok, 0, s_req, 0, s_entry, s_bt0, s_bt1,
+                      s_v0, s_v1, E)[:, None]  # [BN, 1]
+    c = tl.arange(0, BLOCK_D)[None, :]  # [1, BD] channels
+    m = ok[:, None] & (c < D)
+    x = tl.load(x_ptr + n[:, None] * s_xn + c * s_xd, mask=m, other=0.0).to(tl.float32)  # [BN, BD]
+    w = tl.load(w_ptr + c * s_w, mask=c < D, other=0.0).to(tl.float32)  # [1, BD]
+    rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BN, 1]
+    y = _round_to_x(x * rms * w, X_BF16)  # rms_norm; lanes c >= D and padded rows hold 0
+
+    y0, y1 = tl.split(tl.reshape(y, [BLOCK_N, BLOCK_D // 2, 2]))  # [BN, BD/2]: channels 2j, 2j + 1
+    j = tl.arange(0, BLOCK_D // 2)[None, :]  # [1, BD/2] pairs; the tail is pairs pair0 .. D/2 - 1
+    tail = (j >= pair0) & (2 * j < D)
+    pos = tl.load(pos_ptr + n * s_pos, mask=ok, other=0).to(tl.float32)[:, None]  # [BN, 1]
+    angle = pos * tl.load(freq_ptr + (j - pair0), mask=tail, other=0.0)  # [BN, BD/2], the reference's product
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    r0 = tl.where(tail, y0 * cos - y1 * sin, y0)
+    r1 = tl.where(tail, y1 * cos + y0 * sin, y1)
+    y = _round_to_x(tl.reshape(tl.join(r0, r1), [BLOCK_N, BLOCK_D]), X_BF16)  # apply_rope_tail
+
+    dst = row + c * s_v2  # [BN, BD]
+    if not (MAIN or INDEX):  # raw entries: cast to the view's dtype
+        _store_values(dst, y, m, OUT_BF16)
+    elif INDEX:  # e4m3, one fp32 power-of-two scale per entry
+        k = _scale_exponent(tl.max(tl.abs(y), axis=1))[:, None]  # [BN, 1]
+        _store_e4m3(dst, y, k, m)
+        _store_index_scale(row + D * s_v2, k, ok[:, None], s_v2)
+    else:  # main: e4m3 nope with one ue8m0 byte per 64 values, bf16 rope, zero pad
+        fp8 = c < nope
+        NB: tl.constexpr = BLOCK_D // NOPE_BLOCK
+        blocks = tl.reshape(tl.where(fp8, tl.abs(y), 0.0), [BLOCK_N, NB, NOPE_BLOCK])
+        k = _scale_exponent(tl.max(blocks, axis=2))  # [BN, NB]
+        k_c = tl.reshape(tl.broadcast_to(k[:, :, None], [BLOCK_N, NB, NOPE_BLOCK]), [BLOCK_N, BLOCK_D])
+        _store_e4m3(dst, y, k_c, m & fp8)
+        _store_bf16_bytes(row + (2 * c - nope) * s_v2, y, m & (c >= nope), s_v2)  # byte nope + 2 (c - nope)
+        b = tl.arange(0, NB)[None, :]  # [1, NB] scale blocks, ceil(nope / 64) of them real
+        tl.store(row + (nope + 2 * rope + b) * s_v2, (k + 127).to(tl.uint8),
+                 mask=ok[:, None] & (b * NOPE_BLOCK < nope))
+        _store_main_pad(row, nope, rope, C, ok[:, None], s_v2, BLOCK_N, NOPE_BLOCK)
+
+
+def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions: Tensor, inv_freq: Tensor,
+                     view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int,
+                     fp8) -> None:
+    """Triton :func:`kv_insert_ref.norm_rope_insert` (same arguments; see the module for the numerics).
+
+    Args:
+        x: ``[N, D]`` bf16 / fp32, any strides; D even.
+        norm_weight: ``[D]``; eps: the RMSNorm epsilon.
+        rope_positions, req, entry: ``[N]`` int; rows with ``req < 0`` are not written (their entry and
+            position are not read).
+        inv_freq: ``[r / 2]`` fp32, ``r <= D``.
+        view, block_table, entries_per_block, fp8: as for :func:`kv_cache.write_entries`.
+    """
+    assert x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), (x.shape, x.dtype)
+    N, D = x.shape
+    half_r = inv_freq.numel()
+    assert D % 2 == 0 and 2 * half_r <= D and norm_weight.shape == (D,), (x.shape, half_r, norm_weight.shape)
+    assert rope_positions.shape == req.shape == entry.shape == (N,), (rope_positions.shape, req.shape, entry.shape)
+    assert view.dim() == 3 and block_table.dim() == 2, (view.shape, block_table.shape)
+    mode, dim, nope, rope = _mode(view, fp8)
+    assert dim == D, (dim, D)
+    if N == 0:
+        return
+    block_d = max(NOPE_BLOCK, triton.next_power_of_2(D))  # whole 64-value scale blocks for main entries
+    block_n = max(1, min(triton.next_power_of_2(N), 2048 // block_d))
+    _norm_rope_insert_kernel[(triton.cdiv(N, block_n),)](
+        x, norm_weight, rope_positions, inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
+        view, block_table, req, entry,
+        N, D, D // 2 - half_r, entries_per_block, view.shape[-1], nope, rope, eps,
+        *x.stride(), norm_weight.stride(0), rope_positions.stride(0), req.stride(0), entry.stride(0),
+        *block_table.stride(), *view.stride(),
+        MAIN=mode == "main", INDEX=mode == "index", X_BF16=x.dtype == torch.bfloat16,
+        OUT_BF16=mode == "raw" and view.dtype == torch.bfloat16,
+        BLOCK_N=block_n, BLOCK_D=block_d, NOPE_BLOCK=NOPE_BLOCK,
+    )
