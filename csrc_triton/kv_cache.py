@@ -172,6 +172,7 @@ def _write_kernel(
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     ok = b < B
+    ok &= tl.load(req_ptr + a * s_ra + b * s_rb, mask=ok, other=-1) >= 0  # padding rows write nothing
     row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
                       s_v0, s_v1, E)[:, None]  # [BK, 1]
     v_row = val_ptr + (a * B + b)[:, None] * D  # [BK, 1]
@@ -278,7 +279,8 @@ def write_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor,
     Args:
         view: as for :func:`read_entries`; written in place.
         block_table, req, entry, entries_per_block: as for :func:`read_entries`; ``req`` and ``entry``
-            broadcast to ``values.shape[:-1]``; each (request, entry) at most once.
+            broadcast to ``values.shape[:-1]``; each (request, entry) at most once; rows with
+            ``req < 0`` (padding) are not written (nor their entry read).
         values: ``[..., value_dim]`` float.
         fp8: None (values cast to ``view.dtype``) or the FP8 entry spec (encoded).
     """

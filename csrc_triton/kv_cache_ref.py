@@ -55,7 +55,11 @@ def read_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, 
 def write_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int,
                   values: Tensor, fp8) -> None:
     """Store ``values`` ``[..., value_dim]`` as entries ``entry`` of requests ``req`` (both broadcast
-    to ``values.shape[:-1]``), encoded when ``fp8`` is set, cast to ``view.dtype`` otherwise."""
+    to ``values.shape[:-1]``), encoded when ``fp8`` is set, cast to ``view.dtype`` otherwise.
+    Rows with ``req < 0`` (padding) are not written."""
+    shape = values.shape[:-1]
+    keep = req.expand(shape) >= 0  # boolean indexing syncs with the device; the kernel masks instead
+    values, req, entry = values[keep], req.expand(shape)[keep], entry.expand(shape)[keep]
     if fp8 is not None:
         flat = values.reshape(-1, values.shape[-1])  # [N, value_dim]
         packed = pack_index(flat) if fp8.rope_dim is None else pack_main(flat, fp8.rope_dim)  # [N, C]

@@ -22,8 +22,9 @@ USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "tri
 
 if USE_KERNELS:
     from csrc_triton.compressor import compress_windows
-    from csrc_triton.indexer_topk import indexer_topk
+    from csrc_triton.indexer_topk import indexer_topk_paged
     from csrc_triton.kv_cache import read_entries, write_entries
+    from csrc_triton.kv_insert import norm_rope_insert
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.rope import apply_rope_tail
@@ -33,8 +34,9 @@ if USE_KERNELS:
 else:
     from csrc_triton.compressor_ref import compress_windows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm
-    from csrc_triton.indexer_ref import indexer_topk
+    from csrc_triton.indexer_ref import indexer_topk_paged
     from csrc_triton.kv_cache_ref import read_entries, write_entries
+    from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.rope_ref import apply_rope_tail
@@ -46,11 +48,12 @@ __all__ = [
     "block_fp8_gemm",
     "compress_windows",
     "hc_head",
-    "indexer_topk",
+    "indexer_topk_paged",
     "mhc_post",
     "mhc_pre",
     "moe_experts",
     "moe_experts_mxfp4",
+    "norm_rope_insert",
     "read_entries",
     "rms_norm",
     "rope_inv_freq",

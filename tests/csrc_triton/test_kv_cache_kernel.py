@@ -141,6 +141,27 @@ def test_write_entries_matches_ref(kind, values_dtype, R, n, max_blocks, E, entr
     assert n == 0 or not torch.equal(storage_bytes(args[0]), before)
 
 
+@pytest.mark.parametrize("kind", ["raw_bf16", "main_64_16", "index_32"])
+def test_write_entries_skips_padding_rows(kind):
+    """Rows with req = -1 (CUDA-graph padding, masked decode rows) write nothing: the pool equals one
+    written with the other rows alone, for kernel and reference."""
+    fp8, raw_dtype = ENTRY_KINDS[kind]
+
+    def build():
+        return kv_write_args(3, 5, 3, 4, fp8, raw_dtype or torch.float32)
+
+    padded, kept = build(), build()
+    pad = torch.arange(padded[2].shape[0], device=padded[2].device) % 3 == 1
+    req = torch.where(pad, -1, padded[2])
+    entry = torch.where(pad, -1, padded[3])  # never read for a padding row
+    write_entries(padded[0], padded[1], req, entry, padded[4], padded[5], fp8)
+    write_entries(kept[0], kept[1], kept[2][~pad], kept[3][~pad], kept[4], kept[5][~pad], fp8)
+    assert torch.equal(storage_bytes(padded[0]), storage_bytes(kept[0]))
+    ref = build()
+    kv_cache_ref.write_entries(ref[0], ref[1], req, entry, ref[4], ref[5], fp8)
+    assert torch.equal(storage_bytes(ref[0]), storage_bytes(kept[0]))
+
+
 def _edge_rows(dim: int, nope: int) -> torch.Tensor:
     """Rows whose encoding has no slack: amax at 448 * 2^k and one ulp either side (an fp32 log2 is
     wrong there for |k| >= 4), all-zero and -0 blocks (the 1e-4 floor), e4m3 ties (normal and

@@ -87,8 +87,9 @@ def main(job_path: str, out_path: str) -> None:
     assert entry.module_name.startswith("vllm_dsv4"), f"plugin not loaded: {entry}"
     job = json.load(open(job_path))
     preemptions, dummy_batches = count_preemptions(), count_dummy_batches()
-    llm = LLM(model=job["model"], skip_tokenizer_init=True, enforce_eager=True, seed=0, max_logprobs=-1, disable_log_stats=False,
-              **job["engine"])
+    engine_args = {"enforce_eager": True, **job["engine"]}  # CUDA graphs only where a job asks for them
+    llm = LLM(model=job["model"], skip_tokenizer_init=True, seed=0, max_logprobs=-1, disable_log_stats=False,
+              **engine_args)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     batches = []
     for batch in job["batches"]:

@@ -14,6 +14,10 @@ cache entries. Over the layers of this preset that is a few percent of the logit
 keeps each position's probability vector at cosine similarity > 0.99 with the reference; the argmax
 flips only where the top two logits are closer than that error, which random weights make rare
 but not impossible: we require >= 95% top-1 agreement.
+
+CUDA graphs: the same generation with decode steps replayed from full CUDA graphs (capture sizes up
+to the batch of 16, so the all-decode steps run the same kernels on the same shapes as eager) must
+give the same tokens and log-probs as eager.
 """
 
 import pytest
@@ -45,18 +49,32 @@ def scored_logprobs(result: dict, batch: int) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def both_paths(tmp_path_factory, ktiny_ckpt):
     """(GPU path's greedy tokens, its scores of them, the reference path's scores of them)."""
-    batches = [{"prompts": PROMPTS}, {"prompts": PROMPTS, "extend_with_batch": 0, "logprobs": True}]
+    batches = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False},
+               {"prompts": PROMPTS, "extend_with_batch": 0, "logprobs": True}]
     gpu = run_vllm(tmp_path_factory.mktemp("gpu"), ktiny_ckpt, dict(ENGINE, dtype="bfloat16"), batches, "gpu",
                    max_tokens=NEW_TOKENS)
     tokens = [r["tokens"] for r in gpu["batches"][0]]
     forced = [{"prompts": [p + t for p, t in zip(PROMPTS, tokens)], "logprobs": True}]
     ref = run_vllm(tmp_path_factory.mktemp("ref"), ktiny_ckpt, dict(ENGINE, dtype="float32"), forced, "ref",
                    env={"VLLM_DSV4_OPS": "reference"}, max_tokens=1)
-    return tokens, scored_logprobs(gpu, 1), scored_logprobs(ref, 0)
+    return tokens, scored_logprobs(gpu, 1), scored_logprobs(ref, 0), gpu["batches"][0]
+
+
+def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, both_paths):
+    eager = both_paths[3]
+    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False,
+                  compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 16})
+    graphs = run_vllm(tmp_path_factory.mktemp("graphs"), ktiny_ckpt, engine,
+                      [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}], "graphs",
+                      max_tokens=NEW_TOKENS)["batches"][0]
+    worst = max(float((g["logprobs"] - e["logprobs"]).abs().max()) for g, e in zip(graphs, eager))
+    print(f"CUDA graphs vs eager: max |logprob difference| {worst:.3g} over {len(PROMPTS)} x {NEW_TOKENS} steps")
+    assert [g["tokens"] for g in graphs] == [e["tokens"] for e in eager]
+    assert worst <= 1e-5
 
 
 def test_gpu_path_matches_reference_path(both_paths):
-    tokens, ours, theirs = both_paths
+    tokens, ours, theirs, _ = both_paths
     cosines, agree, total = [], 0, 0
     for toks, a, b in zip(tokens, ours, theirs):
         assert a.shape == b.shape == (NEW_TOKENS, a.shape[1])

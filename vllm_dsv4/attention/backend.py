@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MultipleOf,
@@ -24,56 +25,43 @@ class CacheStepMetadata:
 
     ``block_table`` [R, max_blocks] and ``slot_mapping`` [T] (token slot = block * block_tokens +
     offset, -1 for padding) are this component's KV-cache group's; the rest is shared by all groups.
+    Device tensors are views of buffers that keep their address from step to step, which is what a
+    captured CUDA graph replays against.
     """
 
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     block_tokens: int
-    query_start_loc: torch.Tensor  # [R+1] int, CPU
-    seq_lens: torch.Tensor  # [R] tokens known after this step, CPU
-    token_to_req: torch.Tensor  # [T] int64
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
-    @property
-    def query_lens(self) -> torch.Tensor:
-        return self.query_start_loc[1:] - self.query_start_loc[:-1]
-
-    @property
-    def num_computed(self) -> torch.Tensor:
-        """[R] tokens already in the cache before this step."""
-        return self.seq_lens - self.query_lens
+    query_start_loc: torch.Tensor  # [R+1] int64, CPU
+    token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
+    decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
+    # Full CUDA graphs of decode steps: the decode path has fixed shapes and no host syncs.
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Decodes first: the model's prefill/decode split reads contiguous ranges.
         self._init_reorder_batch_threshold(1)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._token_to_req = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         cm = common_attn_metadata
-        num_reqs = cm.num_reqs
+        num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
-        query_lens = qsl[1:] - qsl[:-1]
-        token_to_req = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
-        num_tokens = cm.num_actual_tokens
-        if token_to_req.shape[0] < num_tokens:  # padded tail tokens belong to no request
-            pad = torch.full((num_tokens - token_to_req.shape[0],), -1, dtype=torch.int64)
-            token_to_req = torch.cat([token_to_req, pad])
+        token_to_req = torch.full((num_tokens,), -1, dtype=torch.int64)  # tokens past the last request: padding
+        token_to_req[: int(qsl[-1])] = torch.repeat_interleave(torch.arange(num_reqs), qsl[1:] - qsl[:-1])
+        self._token_to_req[:num_tokens].copy_(token_to_req, non_blocking=True)
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
             slot_mapping=cm.slot_mapping[:num_tokens],
             block_tokens=self.kv_cache_spec.block_size,
             query_start_loc=qsl,
-            seq_lens=cm.seq_lens[:num_reqs].to("cpu", torch.int64),
-            token_to_req=token_to_req.to(cm.slot_mapping.device),
+            token_to_req=self._token_to_req[:num_tokens],
+            decode_only=cm.max_query_len == 1,
         )
 
 

@@ -67,9 +67,11 @@ class Attention(nn.Module):
             main = "c4" if ratio == 4 else "c128"
             self.compressor = Compressor(ratio, cfg.hidden_size, self.head_dim, self.eps, inv_freq,
                                          caches[f"{main}_state"], self.main_cache)
+        max_model_len = vllm_config.model_config.max_model_len
         if ratio == 4:
-            self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"])
-        extra_keys = {0: 0, 4: cfg.index_topk, 128: -(-vllm_config.model_config.max_model_len // 128)}[ratio]
+            self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"], max_model_len)
+        self.max_c128_entries = -(-max_model_len // 128)
+        extra_keys = {0: 0, 4: cfg.index_topk, 128: self.max_c128_entries}[ratio]
         entry_bytes = self.swa_cache.component.entry_bytes
         # Per query of a pass: its keys gathered (raw entries, then decoded and concatenated in the model dtype).
         self.pass_bytes_per_query = (self.window + extra_keys) * (entry_bytes + 2 * self.head_dim * kv_dtype.itemsize)
@@ -84,14 +86,11 @@ class Attention(nn.Module):
         q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.apply_rope_tail(ops.rms_norm(q, None, self.eps), positions, self.inv_freq)  # [T, H, d]
-        kv = ops.apply_rope_tail(self.kv_norm(self.wkv(x)), positions, self.inv_freq)  # [T, d]
-
-        req = md.token_to_req
-        live = req >= 0
-        self.swa_cache.write(md, req[live], positions[live], kv[live])
+        req = md.token_to_req  # [T], -1 for padding
+        self.swa_cache.insert(md, self.wkv(x), self.kv_norm, positions, self.inv_freq, req, positions)
         if self.ratio:  # every write of this step lands before any read
             self.compressor(x, positions)
-            entries, entries_valid = self._compressed_entries(x, q_latent, positions)  # [T, K]
+            entries, entries_valid = self._compressed_entries(md, x, q_latent, positions)  # [T, K]
         o = torch.empty_like(q)
         for start in range(0, num_tokens, QUERY_CHUNK):  # bounds the gathered keys' memory
             rows = slice(start, start + QUERY_CHUNK)
@@ -116,13 +115,14 @@ class Attention(nn.Module):
         keys = self.swa_cache.read(md, req.clamp(min=0)[:, None], pos.clamp(min=0))
         return keys, valid
 
-    def _compressed_entries(self, x, q_latent, positions):
+    def _compressed_entries(self, md, x, q_latent, positions):
         """Entry numbers [T, K] each query attends: every visible C128 entry, or the indexer's C4 picks."""
         if self.ratio == 4:
             entries = self.indexer(x, q_latent, positions)  # [T, topk], -1 where none
             return entries, entries >= 0
         num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
-        width = max(int(num_visible.max()), 1)
+        # Decode steps attend a fixed width (what a CUDA graph replays); others the step's longest prefix.
+        width = self.max_c128_entries if md.decode_only else max(int(num_visible.max()), 1)
         entries = torch.arange(width, device=x.device).expand(x.shape[0], width)
         return entries, entries < num_visible[:, None]
 

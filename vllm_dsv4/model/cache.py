@@ -46,15 +46,26 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         attn_metadata = get_forward_context().attn_metadata
         return attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
 
+    @property
+    def view(self) -> torch.Tensor:
+        """The bound pages as ``[num_blocks, entries_per_block, entry_elems]``."""
+        return compat.cache_view(self.kv_cache)
+
     def write(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N]."""
-        view = compat.cache_view(self.kv_cache)
+        """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N] (rows with req < 0: none)."""
         comp = self.component
-        ops.write_entries(view, md.block_table, req, entry, comp.entries_per_block, values, comp.fp8)
+        ops.write_entries(self.view, md.block_table, req, entry, comp.entries_per_block, values, comp.fp8)
+
+    def insert(self, md: CacheStepMetadata, x: torch.Tensor, norm, rope_positions: torch.Tensor,
+               inv_freq: torch.Tensor, req: torch.Tensor, entry: torch.Tensor) -> None:
+        """Store ``rope(norm(x))`` [N, C], roped at ``rope_positions``, as entries ``entry`` of ``req``
+        (rows with req < 0: none); one fused op."""
+        comp = self.component
+        ops.norm_rope_insert(x, norm.weight, norm.eps, rope_positions, inv_freq, self.view, md.block_table, req,
+                             entry, comp.entries_per_block, comp.fp8)
 
     def read(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Entries [..., C] at ``entry`` [...] of requests ``req`` (broadcast); ``entry`` must be >= 0."""
-        view = compat.cache_view(self.kv_cache)
         comp = self.component
-        dtype = view.dtype if comp.fp8 is None else self.value_dtype
-        return ops.read_entries(view, md.block_table, req, entry, comp.entries_per_block, comp.fp8, dtype)
+        dtype = self.view.dtype if comp.fp8 is None else self.value_dtype
+        return ops.read_entries(self.view, md.block_table, req, entry, comp.entries_per_block, comp.fp8, dtype)

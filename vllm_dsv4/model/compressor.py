@@ -34,18 +34,21 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """x [T, D] post-attn_norm hidden, positions [T]."""
         md_state, md_out = self.state_cache.metadata(), self.out_cache.metadata()
-        req = md_state.token_to_req  # [T]
-        live = req >= 0
+        req = md_state.token_to_req  # [T], -1 for padding
         rows = ops.state_rows(self.wkv(x), self.wgate(x), self.ape, positions)  # [T, 2*coff*d] fp32
-        self.state_cache.write(md_state, req[live], positions[live], rows[live])
+        self.state_cache.write(md_state, req, positions, rows)
 
-        closing = live & ((positions + 1) % self.ratio == 0)
-        if not bool(closing.any()):
+        closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
+        if md_state.decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
+            pos, r, out_req = positions, req, torch.where(closing, req, -1)
+        elif bool(closing.any()):
+            pos, r = positions[closing], req[closing]  # [N]
+            out_req = r
+        else:
             return
-        pos, r = positions[closing], req[closing]  # [N]
         window = pos[:, None] - self.window_tokens + 1 + torch.arange(self.window_tokens, device=pos.device)  # [N, S]
         valid = window >= 0
-        rows = self.state_cache.read(md_state, r[:, None], window.clamp(min=0))  # [N, S, 2*coff*d]
+        rows = self.state_cache.read(md_state, r.clamp(min=0)[:, None], window.clamp(min=0))  # [N, S, 2*coff*d]
         pooled = ops.compress_windows(rows, valid, self.overlap, self.head_dim)  # [N, d]
-        entry = ops.apply_rope_tail(self.norm(pooled), pos - self.ratio + 1, self.inv_freq)
-        self.out_cache.write(md_out, r, torch.div(pos, self.ratio, rounding_mode="floor"), entry)
+        self.out_cache.insert(md_out, pooled, self.norm, pos - self.ratio + 1, self.inv_freq, out_req,
+                              torch.div(pos, self.ratio, rounding_mode="floor"))
