@@ -27,6 +27,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    CUDA kernel) | ``block_fp8_gemm()``, falling back to ``per_token_group_quant_fp8`` +
    ``w8a8_triton_block_scaled_mm`` (``fp8_utils``) when vLLM offers no block kernel for the shape
    or the selection API moves | delete the fallback when both versions select the same way.
+7. Marlin MXFP4 fused MoE (GPU path, opt-in ``VLLM_DSV4_MOE=marlin``) | ``fused_moe.experts.marlin_moe``
+   ``fused_marlin_moe`` (what vLLM 0.26's in-tree DeepSeek-V4 runs on Hopper, with SILU + clamp) over
+   weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin`` | not on CPU |
+   ``marlin_mxfp4_experts()``; our Triton MoE (csrc_triton/moe_mxfp4.py) otherwise | make it the
+   default once its GPU test and the benchmark have run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -237,3 +243,34 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     logger.warning("vllm-dsv4: %s", message)
+
+
+def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                         swiglu_limit: float) -> Callable:
+    """Ledger 7: vLLM's Marlin MXFP4 MoE over one rank's packed experts (call once, after loading).
+
+    Takes ``csrc_triton.moe_mxfp4.moe_experts_mxfp4``'s weights (``w13`` [E, 2I, D/2] codes, gate rows
+    first, ``w2`` [E, D, I/2], e8m0 scales per 32 values) and returns ``run(x, weights, ids)`` with that
+    function's semantics: ids outside ``[0, E)`` are skipped (an expert map sends them to -1).
+    """
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import prepare_moe_mxfp4_layer_for_marlin
+    from vllm.scalar_type import scalar_types
+
+    num_experts = w13.shape[0]
+    m13, m2, s13, s2, _, _ = prepare_moe_mxfp4_layer_for_marlin(
+        SimpleNamespace(params_dtype=torch.bfloat16), w13.view(torch.uint8), w2.view(torch.uint8),
+        w13_scale.view(torch.uint8), w2_scale.view(torch.uint8), None, None)
+    # Map slot E (and anything out of range, clamped there) to -1: Marlin skips it.
+    expert_map = torch.cat([torch.arange(num_experts, dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)])
+    expert_map = expert_map.to(w13.device)
+
+    def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(torch.int32)
+        out = fused_marlin_moe(x.to(torch.bfloat16).contiguous(), m13, m2, None, None, s13, s2, weights.float(), ids,
+                               quant_type_id=scalar_types.float4_e2m1f.id, global_num_experts=num_experts + 1,
+                               activation=MoEActivation.SILU, expert_map=expert_map, clamp_limit=float(swiglu_limit))
+        return out.to(x.dtype)
+
+    return run

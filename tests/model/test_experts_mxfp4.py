@@ -101,3 +101,19 @@ def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
     assert packed.w13.shape == (cfg.n_routed_experts, 2 * i, d // 2) and packed.w2_scale.shape[-1] == i // 32
     assert not cpu.packed and cpu.w13.dtype == torch.bfloat16 and cpu.w13.shape[-1] == d
     assert not fp8_experts.packed and not hasattr(fp8_experts, "w13_scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's Marlin MoE needs CUDA")
+@pytest.mark.parametrize("T, E", [(1, 256), (16, 256), (300, 256), (64, 128)])
+def test_marlin_moe_matches_the_reference(T, E):
+    """compat.marlin_mxfp4_experts (VLLM_DSV4_MOE=marlin) over V4-Flash-sized experts equals the
+    MXFP4 reference, skipped slots included, to the bf16 tolerance of the Triton MoE's test (the
+    same products; h is kept in bf16 between the matmuls, as there)."""
+    from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4 as reference
+    from tests.csrc_triton.kernel_cases import assert_close, moe_mxfp4_args
+    from vllm_dsv4 import compat
+
+    x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(T, 4096, 2048, E, 6, torch.bfloat16, limit=10.0)
+    run = compat.marlin_mxfp4_experts(w13, s13, w2, s2, limit)
+    assert_close(run(x, weights, ids), reference(x, weights, ids, w13, s13, w2, s2, limit), torch.bfloat16)

@@ -11,7 +11,7 @@ from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
-from vllm_dsv4.model.moe import MoE
+from vllm_dsv4.model.moe import Experts, MoE
 from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
 
 
@@ -73,13 +73,19 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 from the (model-dtype) head, as the reference does."""
-        return torch.nn.functional.linear(hidden_states.float(), self.head.weight.float())
+        weight = self.head.weight
+        half = weight.dtype in (torch.bfloat16, torch.float16)
+        if hidden_states.is_cuda and half and hidden_states.dtype == weight.dtype:
+            # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the reference's math
+            # without an fp32 copy of the head per step (2 GiB for V4's vocabulary); CUDA only.
+            return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
+        return torch.nn.functional.linear(hidden_states.float(), weight.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm_dsv4.loader.load import load_official_weights
 
         loaded = load_official_weights(self.cfg, weights, dict(self.named_parameters()), self.shard)
         for module in self.modules():  # vLLM post-processes quant methods only; ours finish here
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Experts)):
                 module.finish_loading()
         return loaded

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_dsv4 import ops
+from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_param
 from vllm_dsv4.model.parallel import DpGroup, Shard, across_dp
@@ -73,12 +73,25 @@ class Experts(nn.Module):
             self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.first_expert, self.num_local = shard.first_expert(cfg.n_routed_experts), e
         self.limit = cfg.swiglu_limit
+        self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ops.MOE_BACKEND picks it
+
+    def finish_loading(self) -> None:
+        """After loading: hand the packed experts to vLLM's Marlin MoE if selected (it repacks them;
+        the checkpoint-layout copies are released)."""
+        if not (self.packed and ops.MOE_BACKEND == "marlin"):
+            return
+        self.marlin = compat.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
+                                                  self.w2_scale.data, self.limit)
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            getattr(self, name).data = torch.empty(0, dtype=torch.uint8, device=self.w13.device)
 
     def forward(self, x, weights, ids):
         """Partial output over this rank's experts: other ranks' picks become the skipped id E_local."""
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local)
         local = torch.where(mine, local, torch.full_like(local, self.num_local))
+        if self.marlin is not None:
+            return self.marlin(x, weights, local)
         if self.packed:
             return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
                                          self.limit)
