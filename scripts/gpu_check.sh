@@ -4,9 +4,10 @@
 #
 #   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
-#   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (~4 min)
+#   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens; CUDA graphs vs eager (>7 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
-#   scripts/gpu_check.sh bench-intree  # the same for vLLM's in-tree DeepSeek-V4; then `report`
+#   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
+#   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,10 @@ case "${1:-unit}" in
     flash_checkpoint
     timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile-decode \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
+  bench-marlin)
+    flash_checkpoint
+    VLLM_DSV4_MOE=marlin timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines plugin \
+      --out "$LOG_DIR/bench-marlin" > "$LOG_DIR/bench_marlin.log" 2>&1; summary "$LOG_DIR/bench_marlin.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
   *)

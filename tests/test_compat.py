@@ -1,5 +1,6 @@
 """The plugin's contact points with whichever vLLM is installed (0.32 in CI, 0.26 on the device)."""
 
+import pytest
 import torch
 
 from vllm_dsv4 import compat, plugin
@@ -65,14 +66,26 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching) == (True, 64, True)
 
 
-def test_config_hook_keeps_prefix_caching_and_fixes_block_size():
+@pytest.mark.parametrize("asked, resolved", [
+    (None, "FULL_DECODE_ONLY"),  # vLLM's default (FULL_AND_PIECEWISE) would come later
+    ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"),
+    ("PIECEWISE", "FULL_DECODE_ONLY"),
+    ("FULL", "FULL_DECODE_ONLY"),
+    ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+    ("NONE", "NONE"),
+])
+def test_config_hook_keeps_prefix_caching_fixes_block_size_and_graphs_decode_only(asked, resolved):
     from types import SimpleNamespace
 
+    from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     plugin.register()
     hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16))
+    compilation = CompilationConfig() if asked is None else CompilationConfig(cudagraph_mode=asked)
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16),
+                          compilation_config=compilation)
     hook.verify_and_update_config(cfg)
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[resolved]

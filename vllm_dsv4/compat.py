@@ -17,8 +17,12 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
 5. PATCH ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32): our subclass of the
    in-tree hook keeps its quant-method rewrite and sets the block size to 256 tokens unless the
    user chose a multiple of 128 (a compressed block must hold whole C128 entries; the in-tree
-   model gets 256 from its backend's kernel block size, ours accepts any). Runs before the
-   platform hook (4). Delete when the in-tree hook stops depending on its backend for the size.
+   model gets 256 from its backend's kernel block size, ours accepts any). It also makes CUDA graphs
+   ``FULL_DECODE_ONLY`` unless the user chose that or none: vLLM's default (FULL_AND_PIECEWISE) would
+   capture mixed batches whole (0.26 auto-enables its breakable graphs for this architecture, which
+   break only at vLLM's own attention ops), and our prefill path syncs with the host. Runs before
+   the platform hook (4) and before vLLM fills in its defaults. Delete when the in-tree hook stops
+   depending on its backend for the size and our prefill path is capturable.
 6. Block-FP8 linear kernels (GPU path only) | ``vllm.model_executor.kernels.linear``:
    ``init_fp8_linear_kernel`` picks, for a weight shape, the kernel vLLM's own ``Fp8LinearMethod``
    would (CUDA order: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Marlin, Triton); the kernel reads
@@ -139,8 +143,22 @@ def patch_model_config_hook() -> None:
             cache = vllm_config.cache_config
             if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
+            decode_graphs_only(vllm_config.compilation_config)
 
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+
+
+def decode_graphs_only(compilation_config) -> None:
+    """Ledger 5: full CUDA graphs for decode steps only (our decode path is capturable, prefill is not)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    if mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        return
+    if mode is not None:
+        logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager)",
+                       mode.name)
+    compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
 
 
 @dataclass(frozen=True)
