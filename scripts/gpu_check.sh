@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
-#   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens; CUDA graphs vs eager (>7 min)
+#   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
+#   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
@@ -15,7 +16,7 @@ LOG_DIR=${LOG_DIR:-gpu-logs}
 FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
 mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
-summary() { grep -E "passed|failed|GPU vs|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1
@@ -30,7 +31,10 @@ case "${1:-unit}" in
       tests/e2e/test_prefix_cache.py -k "(chunked and 64) or preempt or fp8_kv or cache" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;
   gpu-path)
     timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
-      > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;
+      -k reference_path > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;
+  graphs)
+    timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
+      -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
   bench-plugin | bench-intree)
     engine=${1#bench-}
     flash_checkpoint

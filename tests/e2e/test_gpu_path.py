@@ -47,21 +47,26 @@ def scored_logprobs(result: dict, batch: int) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def both_paths(tmp_path_factory, ktiny_ckpt):
-    """(GPU path's greedy tokens, its scores of them, the reference path's scores of them)."""
+def gpu_eager(tmp_path_factory, ktiny_ckpt):
+    """The GPU path, eager: greedy generation with log-probs, then the same prompts + tokens scored."""
     batches = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False},
                {"prompts": PROMPTS, "extend_with_batch": 0, "logprobs": True}]
-    gpu = run_vllm(tmp_path_factory.mktemp("gpu"), ktiny_ckpt, dict(ENGINE, dtype="bfloat16"), batches, "gpu",
-                   max_tokens=NEW_TOKENS)
-    tokens = [r["tokens"] for r in gpu["batches"][0]]
+    return run_vllm(tmp_path_factory.mktemp("gpu"), ktiny_ckpt, dict(ENGINE, dtype="bfloat16"), batches, "gpu",
+                    max_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def both_paths(tmp_path_factory, ktiny_ckpt, gpu_eager):
+    """(GPU path's greedy tokens, its scores of them, the reference path's scores of them)."""
+    tokens = [r["tokens"] for r in gpu_eager["batches"][0]]
     forced = [{"prompts": [p + t for p, t in zip(PROMPTS, tokens)], "logprobs": True}]
     ref = run_vllm(tmp_path_factory.mktemp("ref"), ktiny_ckpt, dict(ENGINE, dtype="float32"), forced, "ref",
                    env={"VLLM_DSV4_OPS": "reference"}, max_tokens=1)
-    return tokens, scored_logprobs(gpu, 1), scored_logprobs(ref, 0), gpu["batches"][0]
+    return tokens, scored_logprobs(gpu_eager, 1), scored_logprobs(ref, 0)
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, both_paths):
-    eager = both_paths[3]
+def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, gpu_eager):
+    eager = gpu_eager["batches"][0]
     engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False,
                   compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 16})
     graphs = run_vllm(tmp_path_factory.mktemp("graphs"), ktiny_ckpt, engine,
@@ -74,7 +79,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, both_path
 
 
 def test_gpu_path_matches_reference_path(both_paths):
-    tokens, ours, theirs, _ = both_paths
+    tokens, ours, theirs = both_paths
     cosines, agree, total = [], 0, 0
     for toks, a, b in zip(tokens, ours, theirs):
         assert a.shape == b.shape == (NEW_TOKENS, a.shape[1])
