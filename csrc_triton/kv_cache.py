@@ -10,7 +10,8 @@ The codec is integer arithmetic on the fp32 bits, so it is exact and the same on
 under the interpreter: e4m3 and bf16 rounding are round-to-nearest-even by hand, the scale exponent
 is ``ceil(log2(amax / 448))`` read off the bits (kv_pack_ref), scaling multiplies by a power of two.
 Decoded values (e4m3 times a power of two, or bf16) are exact in fp32 and bf16 outputs. The encode
-helpers (``_store_e4m3`` ...) also serve kv_insert.py, which writes entries from registers.
+helpers (``_store_e4m3`` ...) also serve kv_insert.py, which writes entries from registers; the decode
+helpers (``_main_values`` ...) sparse_attn.py and indexer_topk.py, which read keys into registers.
 
 Bytes (V4, FP8 main KV, bf16 out): a read moves 584 B in and 1024 B out per entry, plus its entry
 number (8 B) and block-table entry (4 B); a write 1024 B in and 584 B out. The reference moves the
@@ -49,6 +50,35 @@ def _e4m3_decode(code):
     bits = tl.where(exp == 0, subnormal, normal) | sign
     value = bits.to(tl.float32, bitcast=True)
     return tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def _ue8m0_decode(byte):
+    """uint8 ue8m0 scale bytes -> fp32 2^(byte - 127) (exact; byte 0 is the subnormal 2^-127)."""
+    k = byte.to(tl.uint32)
+    return tl.where(k == 0, 0x400000, k << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_decode(lo, hi):
+    """Little-endian bf16 bytes (uint8 ``lo``, ``hi``) -> fp32 (exact)."""
+    return ((lo.to(tl.uint32) | (hi.to(tl.uint32) << 8)) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _main_values(row, c, ok, nope, rope, s_v2, NOPE_BLOCK: tl.constexpr):
+    """fp32 values at columns ``c`` [1, BC] of the main entries at ``row`` [BK, 1] (``ok`` [BK, 1]):
+    e4m3 nope values times their block's ue8m0 scale, then the bf16 rope tail; 0 past ``nope + rope``
+    and where not ``ok``. Any columns in one tile (sparse_attn.py decodes whole keys): each value
+    loads its own scale byte (``NOPE_BLOCK`` values share one, so that load hits the cache)."""
+    is_nope = ok & (c < nope)
+    code = tl.load(row + c * s_v2, mask=is_nope, other=0)
+    sb = tl.load(row + (nope + 2 * rope + c // NOPE_BLOCK) * s_v2, mask=is_nope, other=127)
+    i = c - nope
+    is_rope = ok & (c >= nope) & (i < rope)
+    lo = tl.load(row + (nope + 2 * i) * s_v2, mask=is_rope, other=0)
+    hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=is_rope, other=0)
+    return tl.where(c < nope, _e4m3_decode(code) * _ue8m0_decode(sb), _bf16_decode(lo, hi))
 
 
 @triton.jit
@@ -143,15 +173,13 @@ def _read_kernel(
             c = c0 + tl.arange(0, BLOCK_C)[None, :]
             m = ok[:, None] & (c < nope)
             q = _e4m3_decode(tl.load(row + c * s_v2, mask=m, other=0))
-            k = tl.load(scales + (c0 // BLOCK_C) * s_v2, mask=ok[:, None], other=127).to(tl.uint32)
-            scale = tl.where(k == 0, 0x400000, k << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+            scale = _ue8m0_decode(tl.load(scales + (c0 // BLOCK_C) * s_v2, mask=ok[:, None], other=127))
             _store_values(o_row + c, q * scale, m, OUT_BF16)
         i = tl.arange(0, BLOCK_R)[None, :]
         m = ok[:, None] & (i < rope)
-        lo = tl.load(row + (nope + 2 * i) * s_v2, mask=m, other=0).to(tl.uint32)
-        hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=m, other=0).to(tl.uint32)
-        value = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32
-        _store_values(o_row + nope + i, value, m, OUT_BF16)
+        lo = tl.load(row + (nope + 2 * i) * s_v2, mask=m, other=0)
+        hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=m, other=0)
+        _store_values(o_row + nope + i, _bf16_decode(lo, hi), m, OUT_BF16)
     else:  # indexer key
         c = tl.arange(0, BLOCK_C)[None, :]
         m = ok[:, None] & (c < nope)

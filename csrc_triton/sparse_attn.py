@@ -1,17 +1,23 @@
 """Sparse shared-KV (MQA) attention with per-head sinks, Triton (dsv4_architecture.md §5.3).
 
-Matches :func:`sparse_attn_ref.sparse_attn`: keys = values, the sink enters the denominator only,
-invalid slots are never read, a row with no valid key (and a finite or absent sink) returns 0.
+Matches :mod:`sparse_attn_ref`: keys = values, the sink enters the denominator only, invalid slots
+are never read, a row with no valid key (and a finite or absent sink) returns 0.
 
-One program per (query token, block of heads): the token's q block stays in registers, its K keys
-stream through in blocks of ``BLOCK_K`` with an online softmax; logits, weights and the ``[BLOCK_H, d]``
-accumulator are fp32. ``d`` (512 in V4, any size here) is one padded tile. :func:`sparse_attn_paged`
-is the same kernel reading each key straight from a paged cache by (block, offset) instead of from a
-gathered copy.
+One program per (query token, block of heads): the token's q block stays in registers, its keys
+stream through in blocks of ``BLOCK_K`` with an online softmax (``_attend``); logits, weights and the
+``[BLOCK_H, d]`` accumulator are fp32. ``d`` (512 in V4, any size here) is one padded tile.
+:func:`sparse_attn` reads gathered keys ``[T, K, d]``; :func:`sparse_attn_cached` runs the same loop
+over the window slots, then over the compressed slots, reading each key straight from its paged
+cache through the block table (FP8 main entries decoded into the key tile by :mod:`kv_cache`'s
+codec), so there is no gathered copy; the key blocks before a query's first valid slot and after
+its last are skipped, and an empty slot is never loaded.
 
 Bytes (bf16, V4-Flash: H = 64, d = 512, K = 128 + 512): per token ``K * d * 2`` of keys (655 KB,
 read once: all 64 heads are one block) + ``2 * H * d * 2`` of q and out (128 KB) + ``K`` bytes of
-mask (+ ``16 K`` of indices when paged).
+mask. Cached: ``584 K`` of FP8 keys instead (374 KB; ``1024 K`` raw bf16), ``8 K`` of entry numbers
+(int64, read twice: :func:`_slot_span`, then the loop, from L1/L2) and a block-table entry per valid
+slot; the gathered path also writes the decoded keys, copies them once more to concatenate, and
+reads them back.
 """
 
 from __future__ import annotations
@@ -22,23 +28,99 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from csrc_triton.kv_cache import _main_values, _mode
+from csrc_triton.kv_pack_ref import NOPE_BLOCK
+from csrc_triton.sparse_attn_ref import CacheSource
+
+_NOPE_BLOCK = tl.constexpr(NOPE_BLOCK)
+_SPAN_BLOCK = tl.constexpr(256)  # entry numbers scanned per step by _slot_span
+
+
+@triton.jit
+def _slot_span(idx_ptr, t, K, s_i0, s_i1, BLOCK_K: tl.constexpr):
+    """``[k_lo, k_hi)``: from the key block holding query t's first slot with an entry >= 0 to just past
+    its last one (empty when there is none); reads the ``K`` entry numbers once."""
+    lo = tl.zeros([], tl.int32) + K
+    hi = tl.zeros([], tl.int32)
+    for s0 in range(0, K, _SPAN_BLOCK):
+        j = s0 + tl.arange(0, _SPAN_BLOCK)  # [BS]
+        ok = tl.load(idx_ptr + t * s_i0 + j * s_i1, mask=j < K, other=-1) >= 0
+        lo = tl.minimum(lo, tl.min(tl.where(ok, j, K), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, j + 1, 0), 0))
+    return lo // BLOCK_K * BLOCK_K, hi
+
+
+@triton.jit
+def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope, scale,
+            s_kv0, s_kv1, s_kvd, s_bt0, s_bt1, s_i0, s_i1,
+            KIND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Fold the first K key slots of one source into query t's running softmax (m_i, l_i [BH],
+    acc [BH, BD]).
+
+    ``KIND``: "gathered" (``kv_ptr`` [T, K, d] keys, ``idx_ptr`` [T, K] bool valid), or entries
+    ``idx_ptr`` [T, K] (-1: empty) of request ``r`` in a paged cache ``kv_ptr`` [N, E, C] through its
+    block table, "raw" (q's dtype) or "fp8" (main entries decoded in registers). Paged sources run
+    only the key blocks of :func:`_slot_span`: the blocks outside it are neither loaded nor computed (a
+    C128 decode's fixed-width slot list is mostly empty past the visible entries; window lists are
+    empty before position 0, C4 top-k lists after the picks). A bound rather than a per-block branch
+    keeps the loop software-pipelined.
+    """
+    dd = tl.arange(0, BLOCK_D)  # [BD]
+    d_ok = dd < d
+    q_in = q
+    if DOT_F32:
+        q_in = q.to(tl.float32)
+    if KIND == "gathered":
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo, k_hi = _slot_span(idx_ptr, t, K, s_i0, s_i1, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        if KIND == "gathered":
+            ok = tl.load(idx_ptr + t * s_i0 + j * s_i1, mask=j < K, other=0) != 0  # [BK]
+            row = kv_ptr + t * s_kv0 + j.to(tl.int64) * s_kv1  # [BK]
+        else:
+            e = tl.load(idx_ptr + t * s_i0 + j * s_i1, mask=j < k_hi, other=-1).to(tl.int64)  # [BK]
+            ok = e >= 0
+            blk = tl.load(bt_ptr + r * s_bt0 + (e // E) * s_bt1, mask=ok, other=0).to(tl.int64)
+            row = kv_ptr + blk * s_kv0 + (e % E) * s_kv1  # [BK]
+        # Invalid slots are masked out of the loads: whatever they hold (NaN) never enters the math.
+        if KIND == "fp8":  # e4m3 x 2^k and bf16: exact in q's dtype, so products equal the gathered path's
+            kv = _main_values(row[:, None], dd[None, :], ok[:, None], nope, rope, s_kvd, _NOPE_BLOCK).to(q.dtype)
+        else:
+            kv = tl.load(row[:, None] + dd[None, :] * s_kvd, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        kv_in = kv  # [BK, BD]
+        if DOT_F32:
+            kv_in = kv.to(tl.float32)
+        logits = tl.dot(q_in, tl.trans(kv_in), input_precision=PRECISION) * scale  # [BH, BK] fp32
+        logits = tl.where(ok[None, :], logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))  # [BH]
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp() finite
+        alpha = tl.exp(m_i - m_safe)  # [BH]
+        p = tl.exp(logits - m_safe[:, None])  # [BH, BK]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_in = p.to(kv.dtype)  # bf16 weights into the MMA, as flash attention does
+        if DOT_F32:
+            p_in = p_in.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_in, kv_in, input_precision=PRECISION)  # [BH, BD]
+        m_i = m_new
+    return m_i, l_i, acc
+
 
 @triton.jit
 def _sparse_attn_kernel(
-    q_ptr, kv_ptr, blk_ptr, off_ptr, valid_ptr, sink_ptr, out_ptr,
-    H, K, d, scale,
-    s_qt, s_qh, s_qd,
-    s_kv0, s_kv1, s_kvd,
-    s_bt, s_bk, s_ft, s_fk,
-    s_vt, s_vk,
-    s_ot, s_oh, s_od,
-    PAGED: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    q_ptr, sink_ptr, out_ptr, req_ptr,
+    w_ptr, w_bt_ptr, w_idx_ptr, Kw, Ew, w_nope, w_rope, s_w0, s_w1, s_w2, s_wbt0, s_wbt1, s_wi0, s_wi1,
+    m_ptr, m_bt_ptr, m_idx_ptr, Km, Em, m_nope, m_rope, s_m0, s_m1, s_m2, s_mbt0, s_mbt1, s_mi0, s_mi1,
+    H, d, scale,
+    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_r,
+    WINDOW: tl.constexpr, MAIN: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Query t, heads block: the window source's slots then the main source's (``MAIN`` "none": absent)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     h_ok = h < H
@@ -46,38 +128,23 @@ def _sparse_attn_kernel(
     d_ok = dd < d
     q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + dd[None, :] * s_qd,
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BH, BD]
-    if DOT_F32:
-        q = q.to(tl.float32)
+    if WINDOW == "gathered":  # no request: validity is the mask
+        r = t
+    else:  # a padding row (r < 0) runs no slot: it reads no entry
+        r = tl.load(req_ptr + t * s_r).to(tl.int64)
+        Kw = tl.where(r >= 0, Kw, 0)
+        Km = tl.where(r >= 0, Km, 0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the logits
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp(l - m_i)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp(l - m_i) k
-    for k0 in range(0, K, BLOCK_K):
-        j = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        ok = tl.load(valid_ptr + t * s_vt + j * s_vk, mask=j < K, other=0) != 0  # [BK]
-        if PAGED:
-            blk = tl.load(blk_ptr + t * s_bt + j * s_bk, mask=ok, other=0).to(tl.int64)
-            off = tl.load(off_ptr + t * s_ft + j * s_fk, mask=ok, other=0).to(tl.int64)
-            row = blk * s_kv0 + off * s_kv1  # [BK]
-        else:
-            row = t * s_kv0 + j.to(tl.int64) * s_kv1  # [BK]
-        # Invalid slots are masked out of the load: whatever they hold (NaN) never enters the math.
-        kv = tl.load(kv_ptr + row[:, None] + dd[None, :] * s_kvd,
-                     mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BK, BD]
-        if DOT_F32:
-            kv = kv.to(tl.float32)
-        logits = tl.dot(q, tl.trans(kv), input_precision=PRECISION) * scale  # [BH, BK] fp32
-        logits = tl.where(ok[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))  # [BH]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp() finite
-        alpha = tl.exp(m_i - m_safe)  # [BH]
-        p = tl.exp(logits - m_safe[:, None])  # [BH, BK]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_in = p.to(kv_ptr.dtype.element_ty)  # bf16 weights into the MMA, as flash attention does
-        if DOT_F32:
-            p_in = p_in.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_in, kv, input_precision=PRECISION)  # [BH, BD]
-        m_i = m_new
+    m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, r, w_ptr, w_bt_ptr, w_idx_ptr, Kw, Ew, d, w_nope, w_rope,
+                            scale, s_w0, s_w1, s_w2, s_wbt0, s_wbt1, s_wi0, s_wi1,
+                            WINDOW, BLOCK_K, BLOCK_D, DOT_F32, PRECISION)
+    if MAIN != "none":
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, r, m_ptr, m_bt_ptr, m_idx_ptr, Km, Em, d, m_nope, m_rope,
+                                scale, s_m0, s_m1, s_m2, s_mbt0, s_mbt1, s_mi0, s_mi1,
+                                MAIN, BLOCK_K, BLOCK_D, DOT_F32, PRECISION)
 
     sink = tl.load(sink_ptr + h, mask=h_ok, other=float("-inf"))  # [BH]
     m = tl.maximum(m_i, sink)
@@ -95,38 +162,56 @@ def _sparse_attn_kernel(
 _INTERPRETED = not isinstance(_sparse_attn_kernel, JITFunction)
 
 
-def _config(H: int, d: int, dtype: torch.dtype) -> dict:
+def _config(H: int, d: int, dtype: torch.dtype, fp8: bool) -> dict:
     """Tile sizes (``tl.dot`` needs every dim >= 16). One head block of up to 64 heads per token, so
     that each key is read once per token; measured on H200 (triton 3.6, bf16, H = 64, d = 512,
     K = 640): 64 x 64 tiles, 8 warps, 2 stages beat 16-head blocks by 2.4x (T = 64) to 5x (T = 1024).
-    fp32 (a test path) keeps 16 x 16 tiles: 64 x 64 fp32 key tiles would not fit shared memory."""
+    fp32 (a test path) keeps 16 x 16 tiles: 64 x 64 fp32 key tiles would not fit shared memory.
+    FP8 sources decode the key tile through fp32 registers next to the fp32 accumulator: 16-key
+    blocks (triton 3.9 + ptxas for sm_90, H = 64, d = 512, FP8 window and main: 1.2 KB of spill
+    stores per thread, 4.7 KB at 32 keys, 9.7 KB at 64; raw bf16 sources 0.5 KB at 64; not timed)."""
     block_d = max(16, triton.next_power_of_2(d))
     if dtype == torch.float32 and block_d >= 256:
         return dict(BLOCK_H=16, BLOCK_K=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
     block_h = max(16, min(64, triton.next_power_of_2(H)))
-    return dict(BLOCK_H=block_h, BLOCK_K=64, BLOCK_D=block_d, num_warps=8 if block_d >= 256 else 4, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_K=16 if fp8 else 64, BLOCK_D=block_d, num_warps=8 if block_d >= 256 else 4,
+                num_stages=2)
 
 
-def _launch(q, kv, strides_kv, blk, off, valid, sink, scale, paged: bool) -> Tensor:
+def _source_args(src: CacheSource | None, entries: Tensor | None, q: Tensor) -> tuple[str, tuple]:
+    """(kind, the kernel's per-source arguments) of one paged source; kind "none" for an absent one
+    (placeholders, never dereferenced)."""
+    T, _, d = q.shape
+    if src is None:
+        assert entries is None
+        return "none", (q, q, q, 0, 1, 0, 0) + (0,) * 7
+    view, bt = src.view, src.block_table
+    assert view.dim() == 3 and bt.dim() == 2, (view.shape, bt.shape)
+    assert entries.dim() == 2 and entries.shape[0] == T and not entries.dtype.is_floating_point, entries.shape
+    mode, dim, nope, rope = _mode(view, src.fp8)
+    assert mode != "index" and dim == d, (mode, dim, d)
+    assert mode == "main" or view.dtype == q.dtype, (view.dtype, q.dtype)
+    kind = "fp8" if mode == "main" else "raw"
+    return kind, (view, bt, entries, entries.shape[1], src.entries_per_block, nope, rope,
+                  *view.stride(), *bt.stride(), *entries.stride())
+
+
+def _launch(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: tuple[str, tuple],
+            main: tuple[str, tuple]) -> Tensor:
     T, H, d = q.shape
-    K = valid.shape[1]
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
-    assert kv.dtype == q.dtype, (kv.dtype, q.dtype)
-    assert valid.shape == (T, K) and valid.dtype == torch.bool, (valid.shape, valid.dtype)
     assert sink.shape == (H,), sink.shape
     out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)  # [T, H, d]
     if T == 0 or H == 0:
         return out
     sink = sink.to(device=q.device, dtype=torch.float32).contiguous()
-    cfg = _config(H, d, q.dtype)
+    cfg = _config(H, d, q.dtype, "fp8" in (window[0], main[0]))
     grid = (T, triton.cdiv(H, cfg["BLOCK_H"]))
     _sparse_attn_kernel[grid](
-        q, kv, blk, off, valid, sink, out,
-        H, K, d, float(scale),
-        *q.stride(), *strides_kv, blk.stride(0), blk.stride(1), off.stride(0), off.stride(1),
-        *valid.stride(), *out.stride(),
-        PAGED=paged, DOT_F32=_INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **cfg,
+        q, sink, out, req, *window[1], *main[1], H, d, float(scale),
+        *q.stride(), *out.stride(), req.stride(0),
+        WINDOW=window[0], MAIN=main[0], DOT_F32=_INTERPRETED,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
     )
     return out
 
@@ -146,33 +231,34 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float
     """
     T, K = kv.shape[0], kv.shape[1]
     assert kv.dim() == 3 and T == q.shape[0] and kv.shape[2] == q.shape[2], (q.shape, kv.shape)
-    no_index = valid.new_empty((1, 1), dtype=torch.int32)  # unused when not paged
-    return _launch(q, kv, kv.stride(), no_index, no_index, valid, sink, scale, paged=False)
+    assert kv.dtype == q.dtype, (kv.dtype, q.dtype)
+    assert valid.shape == (T, K) and valid.dtype == torch.bool, (valid.shape, valid.dtype)
+    gathered = (kv, kv, valid, K, 1, 0, 0, *kv.stride(), 0, 0, *valid.stride())  # no block table
+    # no request either: ``valid`` stands in for ``req`` (never read)
+    return _launch(q, sink, scale, valid, ("gathered", gathered), _source_args(None, None, q))
 
 
-def sparse_attn_paged(q: Tensor, cache: Tensor, block_ids: Tensor, offsets: Tensor, valid: Tensor,
-                      sink: Tensor, scale: float) -> Tensor:
-    """:func:`sparse_attn` reading key j of token t from ``cache[block_ids[t, j], offsets[t, j]]``.
+def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+    """Triton :func:`sparse_attn_ref.sparse_attn_cached` (same arguments and result): keys read in the
+    kernel straight from the paged caches, FP8 main entries decoded in registers.
 
-    Equals ``sparse_attn_ref.sparse_attn(q, cache[block_ids, offsets], valid, sink, scale)`` without
-    materialising the ``[T, K, d]`` gather; slots with ``valid = False`` are never dereferenced, so
-    their ids may be anything (-1).
+    CUDA-graph safe: no host synchronisation, shapes fixed by the arguments'. Padding rows
+    (``req < 0``) read nothing, empty slots (entry -1) no key; key blocks before a row's first valid
+    slot and after its last are skipped (a C128 decode's fixed-width list past the visible entries).
 
     Args:
-        q: ``[T, H, d]``.
-        cache: ``[N_blocks, E, d]`` entries of one cache component, same dtype as q; any strides (a
-            view into vLLM's block-outermost page, where the page stride exceeds ``E * d``).
-        block_ids: ``[T, K]`` int32 / int64 physical block of each key.
-        offsets: ``[T, K]`` int32 / int64 entry inside the block.
-        valid: ``[T, K]`` bool.
-        sink: ``[H]``.
+        q: ``[T, H, d]`` fp32 / bf16, any strides.
+        sink: ``[H]`` (upcast to fp32).
         scale: softmax scale.
+        req: ``[T]`` int request of each query, < 0 for a padding row.
+        window, main: ``CacheSource`` (view ``[N, E, C]`` any strides: raw entries in q's dtype with
+            ``C = d``, or uint8 FP8 main entries of ``d`` values); ``main`` None for window-only layers.
+        window_entries, main_entries: ``[T, W]`` / ``[T, K]`` int (int32 / int64, any strides), -1 for
+            an empty slot; ``main_entries`` None with ``main``.
 
     Returns:
-        ``[T, H, d]`` in ``q.dtype``.
+        ``[T, H, d]`` in ``q.dtype``; fp32 inside.
     """
-    T, K = valid.shape
-    assert cache.dim() == 3 and cache.shape[2] == q.shape[2], (q.shape, cache.shape)
-    assert block_ids.shape == offsets.shape == (T, K), (block_ids.shape, offsets.shape, valid.shape)
-    assert not block_ids.dtype.is_floating_point and not offsets.dtype.is_floating_point
-    return _launch(q, cache, cache.stride(), block_ids, offsets, valid, sink, scale, paged=True)
+    assert req.shape == (q.shape[0],) and not req.dtype.is_floating_point, req.shape
+    return _launch(q, sink, scale, req, _source_args(window, window_entries, q), _source_args(main, main_entries, q))

@@ -1,14 +1,20 @@
 """Sparse shared-KV (MQA) attention with per-head sinks (dsv4_architecture.md §5.3).
 
-Each query token t attends over its own gathered key set ``kv[t]`` (window slots followed by the
-selected / visible compressed entries, §5.2); keys and values are the same vectors. The caller
-gathers ``kv`` and the validity mask (this is where the reference's ``-1`` index slots go).
+Each query token t attends over its own key set (window slots followed by the selected / visible
+compressed entries, §5.2); keys and values are the same vectors. :func:`sparse_attn` takes the keys
+gathered (``kv [T, K, d]`` and a validity mask); :func:`sparse_attn_cached` names them by entry
+number in the two paged caches (``-1`` for an empty slot) and is that gather followed by
+:func:`sparse_attn`.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
+
+from csrc_triton.kv_cache_ref import read_entries
 
 # Elements of fp32 temporaries ([t, K, d] keys + [t, H, K] logits) live per chunk (128 MiB).
 _CHUNK_ELEMS = 1 << 25
@@ -53,3 +59,47 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float
         denom = p.sum(dim=-1) + torch.exp(sink - m)  # [t, H]
         out[s : s + chunk] = (torch.matmul(p, kc) / denom[..., None]).to(q.dtype)  # [t, H, d]
     return out
+
+
+class CacheSource(NamedTuple):
+    """One paged cache component keys are read from: entry ``e`` of request ``r`` is
+    ``view[block_table[r, e // entries_per_block], e % entries_per_block]`` (kv_cache_ref)."""
+
+    view: Tensor  # [num_blocks, E, C], any strides: raw entries (q's dtype) or uint8 FP8 main entries
+    block_table: Tensor  # [R, max_blocks] int32 / int64
+    entries_per_block: int  # E
+    fp8: Any  # None (raw) or the FP8 main-entry spec (``value_dim``, ``rope_dim``), e.g. layout.Fp8Entry
+
+
+def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+    """:func:`sparse_attn` over keys named by entry number in two paged caches.
+
+    Query t attends the window entries ``window_entries[t]`` then the main entries ``main_entries[t]``
+    of its request ``req[t]``, each decoded to q's dtype as ``kv_cache_ref.read_entries`` does; a slot is
+    valid iff its entry is >= 0 and ``req[t] >= 0``. This is literally the gathered composition
+    (invalid slots read entry 0 of request 0, then are masked).
+
+    Args:
+        q: ``[T, H, d]`` fp32 / bf16 queries (RoPE applied).
+        sink: ``[H]`` fp32 ``attn_sink``.
+        scale: softmax scale.
+        req: ``[T]`` int request of each query; < 0 for a padding row (returns 0).
+        window: the window's component (``swa``: entries are token positions).
+        window_entries: ``[T, W]`` int, -1 for an empty slot.
+        main: the compressed component (``c4`` / ``c128``: entries are entry numbers), or None
+            (window-only layers).
+        main_entries: ``[T, K]`` int, -1 for an empty slot; None with ``main``.
+
+    Returns:
+        ``[T, H, d]`` in ``q.dtype``.
+    """
+    live = req[:, None] >= 0  # [T, 1]
+    req0 = req.clamp(min=0)[:, None]  # [T, 1]
+    keys, valid = [], []
+    for src, entries in ((window, window_entries), (main, main_entries)):
+        if src is not None:
+            keys.append(read_entries(src.view, src.block_table, req0, entries.clamp(min=0), src.entries_per_block,
+                                     src.fp8, q.dtype))  # [T, n, d]
+            valid.append((entries >= 0) & live)  # [T, n]
+    return sparse_attn(q, torch.cat(keys, 1), torch.cat(valid, 1), sink, scale)

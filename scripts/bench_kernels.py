@@ -38,8 +38,13 @@ class Case:
 
 def cases() -> list[Case]:
     from tests.csrc_triton import kernel_cases as kc
+    from vllm_dsv4.kv.layout import Fp8Entry
+
+    FP8_MAIN = Fp8Entry(512, 64)  # 584 B entries
 
     H, d, K = 64, 512, 128 + 512
+    decode = dict(R=64, E=(64, 64), entries=(4096, 4096), p_hole=0.0, padding=False)
+    c128 = dict(decode, E=(64, 2), entries=(4096, 8192), visible=300)
     rows = [
         Case("sparse_attn", f"decode T=64 H={H} K={K} d={d}",
              lambda: kc.sparse_attn_args(64, H, K, d, BF16, p_valid=1.0, empty_row=False),
@@ -47,9 +52,18 @@ def cases() -> list[Case]:
         Case("sparse_attn", f"prefill T=1024 H={H} K={K} d={d}",
              lambda: kc.sparse_attn_args(1024, H, K, d, BF16, p_valid=1.0, empty_row=False),
              kc.sparse_attn_bytes(1024, H, K, d, BF16)),
-        Case("sparse_attn_paged", f"decode T=64 H={H} K={K} d={d}, 4096 blocks x 64",
-             lambda: kc.sparse_attn_paged_args(64, H, K, d, BF16, num_blocks=4096, entries=64, p_valid=1.0),
-             kc.sparse_attn_bytes(64, H, K, d, BF16) + 64 * K * 16),
+        # Decode batches of 64 requests reading a 128-token window and C4 top-512 / C128 slots through
+        # their block tables; the C128 list is max_model_len 1M / 128 = 8192 slots, up to 300 visible
+        # (bytes count the mean, 150; about 1.5% of windows reach before position 0: not counted).
+        Case("sparse_attn_cached", f"decode T=64 H={H} W=128 + C4 512, fp8",
+             lambda: kc.sparse_attn_cached_args(64, H, d, 128, 512, FP8_MAIN, BF16, **decode),
+             kc.sparse_attn_cached_bytes(64, H, d, 640, 640, FP8_MAIN.entry_bytes, BF16)),
+        Case("sparse_attn_cached", f"decode T=64 H={H} W=128 + C4 512, bf16",
+             lambda: kc.sparse_attn_cached_args(64, H, d, 128, 512, None, BF16, **decode),
+             kc.sparse_attn_cached_bytes(64, H, d, 640, 640, 2 * d, BF16)),
+        Case("sparse_attn_cached", f"decode T=64 H={H} W=128 + C128 8192, fp8",
+             lambda: kc.sparse_attn_cached_args(64, H, d, 128, 8192, FP8_MAIN, BF16, **c128),
+             kc.sparse_attn_cached_bytes(64, H, d, 128 + 8192, 128 + 150, FP8_MAIN.entry_bytes, BF16)),
         Case("mhc_pre", "decode T=1 n=4 D=4096", lambda: kc.mhc_pre_args(1, 4, 4096, BF16),
              kc.mhc_pre_bytes(1, 4, 4096, BF16)),
         Case("mhc_pre", "batch T=64 n=4 D=4096", lambda: kc.mhc_pre_args(64, 4, 4096, BF16),
@@ -85,17 +99,13 @@ def cases() -> list[Case]:
 
 
 def implementations(op: str) -> tuple[Callable, Callable]:
-    """(kernel, reference) of an op; the paged attention's reference gathers first."""
+    """(kernel, reference) of an op."""
     from csrc_triton import (compressor, compressor_ref, indexer_ref, indexer_topk, mhc, mhc_ref, rope, rope_ref,
                              routing, routing_ref, sparse_attn, sparse_attn_ref)
-    from tests.csrc_triton.kernel_cases import gather_paged
-
-    def paged_ref(q, cache, block_ids, offsets, valid, sink, scale):
-        return sparse_attn_ref.sparse_attn(q, gather_paged(cache, block_ids, offsets), valid, sink, scale)
 
     return {
         "sparse_attn": (sparse_attn.sparse_attn, sparse_attn_ref.sparse_attn),
-        "sparse_attn_paged": (sparse_attn.sparse_attn_paged, paged_ref),
+        "sparse_attn_cached": (sparse_attn.sparse_attn_cached, sparse_attn_ref.sparse_attn_cached),
         "mhc_pre": (mhc.mhc_pre, mhc_ref.mhc_pre),
         "mhc_post": (mhc.mhc_post, mhc_ref.mhc_post),
         "compress_windows": (compressor.compress_windows, compressor_ref.compress_windows),

@@ -33,7 +33,7 @@ if USE_KERNELS:
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.rope import apply_rope_tail
     from csrc_triton.routing import route
-    from csrc_triton.sparse_attn import sparse_attn
+    from csrc_triton.sparse_attn import sparse_attn_cached
     from vllm_dsv4.compat import block_fp8_gemm
 else:
     from csrc_triton.compressor_ref import compress_windows
@@ -45,7 +45,7 @@ else:
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.rope_ref import apply_rope_tail
     from csrc_triton.routing_ref import route
-    from csrc_triton.sparse_attn_ref import sparse_attn
+    from csrc_triton.sparse_attn_ref import sparse_attn_cached
 
 __all__ = [
     "apply_rope_tail",
@@ -62,7 +62,7 @@ __all__ = [
     "rms_norm",
     "rope_inv_freq",
     "route",
-    "sparse_attn",
+    "sparse_attn_cached",
     "state_rows",
     "swiglu_clamped",
     "write_entries",

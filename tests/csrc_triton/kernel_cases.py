@@ -23,6 +23,8 @@ import os
 import torch
 from torch import Tensor
 
+from csrc_triton.sparse_attn_ref import CacheSource
+
 ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -76,34 +78,97 @@ def sparse_attn_args(T: int, H: int, K: int, d: int, dtype=torch.float32, p_vali
     return q, kv, valid.to(device), sink, d**-0.5
 
 
-def sparse_attn_paged_args(T: int, H: int, K: int, d: int, dtype=torch.float32, num_blocks: int = 5,
-                           entries: int = 8, p_valid: float = 0.7, seed: int = 0, device=DEVICE) -> tuple:
-    """``(q, cache [N, E, d] strided view, block_ids, offsets, valid, sink, scale)``; invalid slots
-    carry id -1. The cache is a view into a wider page (stride(0) > E * d, as in vLLM's layout)."""
+def _cached_source(g: torch.Generator, R: int, E: int, num_entries: int, d: int, fp8, dtype: torch.dtype,
+                   req: Tensor, entries: Tensor, entry_pad: int, device) -> CacheSource:
+    """A source of ``num_entries`` entries per request that holds keys at every (req, entry) of a valid
+    slot (normals times ``2^j`` per 16 values, ``j`` in [-2, 1]: FP8 blocks of different scales) and
+    NaN (raw) or 0xFF bytes (FP8: NaN codes, inf scales) everywhere else. Shuffled column-major block
+    table (vLLM's is wider than needed: one spare block), strided view into a padded pool (``kv_view``)."""
+    from csrc_triton.kv_pack_ref import pack_main
+
+    bt, num_blocks = kv_block_table(g, R, -(-num_entries // E) + 1, device)
+    bt = bt.t().contiguous().t()  # [R, max_blocks], strides (1, R)
+    C = d if fp8 is None else fp8.entry_bytes
+    view = kv_view(g, num_blocks, E, C, dtype if fp8 is None else torch.uint8, entry_pad, device)
+    view.fill_(float("nan") if fp8 is None else 0xFF)
+    valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
+    r, e = req[:, None].expand_as(entries)[valid].long(), entries[valid].long()  # [N] each
+    j = torch.randint(-2, 2, (r.shape[0], d // 16 + 1), generator=g).float().repeat_interleave(16, 1)[:, :d]
+    x = (torch.randn(r.shape[0], d, generator=g) * 2.0**j).to(device)  # [N, d]
+    view[bt[r, e // E].long(), e % E] = x.to(dtype) if fp8 is None else pack_main(x, fp8.rope_dim)
+    return CacheSource(view, bt, E, fp8)
+
+
+def sparse_attn_cached_args(T: int, H: int, d: int, W: int, K: int | None, fp8=None, dtype=torch.float32,
+                            R: int = 3, E: tuple[int, int] = (4, 4), entries: tuple[int, int] = (24, 24),
+                            visible: int | None = None, p_hole: float = 0.2, entry_pad: int = 3,
+                            padding: bool = True, seed: int = 0, device=DEVICE) -> tuple:
+    """``(q [T,H,d], sink [H], scale, req [T], window, window_entries [T,W], main, main_entries [T,K])``
+    of ``sparse_attn_ref.sparse_attn_cached``; ``main`` and ``main_entries`` None when ``K`` is None.
+
+    Sources (``_cached_source``) hold raw entries in ``dtype`` (q's) or FP8 main entries (``fp8``), ``E``
+    entries per block and ``entries`` entries per request (window, main). Window slots are the ``W``
+    positions up to a random one (-1 before position 0), main slots ``K`` random entries, or, with
+    ``visible``, ``arange(K)`` with -1 from a random count (at most ``visible``) on (a C128 decode's
+    fixed-width slot list); then a share ``p_hole`` of every slot is -1. With ``padding`` and T > 2, row 0 is a
+    padding row (``req = -1``, entries >= 0 that must not be read) and row 1 has no valid slot.
+    ``req`` int32, window entries int64, main entries int32 (both index widths)."""
     g = _gen(seed)
     q = _randn(g, T, H, d, dtype=dtype, device=device)
     sink = _randn(g, H, device=device, scale=2.0)
-    valid = torch.rand(T, K, generator=g) < p_valid  # [T, K]
-    if T > 1:
-        valid[0] = False
-    page = _randn(g, num_blocks, entries + 3, d + 8, dtype=dtype, device=device)
-    cache = page[:, 2 : 2 + entries, 5 : 5 + d]  # [N, E, d] non-contiguous
-    block_ids = torch.randint(0, num_blocks, (T, K), generator=g)  # [T, K] int64
-    offsets = torch.randint(0, entries, (T, K), generator=g, dtype=torch.int32)  # [T, K]
-    block_ids[~valid] = -1
-    offsets[~valid] = -1
-    return q, cache, block_ids.to(device), offsets.to(device), valid.to(device), sink, d**-0.5
+    req = torch.randint(0, R, (T,), generator=g, dtype=torch.int32)
+    pos = torch.randint(0, entries[0], (T, 1), generator=g)
+    window_entries = pos - W + 1 + torch.arange(W)  # [T, W]
+    window_entries[window_entries < 0] = -1
+    window_entries[torch.rand(T, W, generator=g) < p_hole] = -1
+    main_entries = None
+    if K is not None:
+        if visible is None:
+            main_entries = torch.randint(0, entries[1], (T, K), generator=g, dtype=torch.int32)
+        else:
+            nv = torch.randint(0, visible + 1, (T, 1), generator=g)
+            main_entries = torch.where(torch.arange(K) < nv, torch.arange(K), -1).int()
+        main_entries[torch.rand(T, K, generator=g) < p_hole] = -1
+    if padding and T > 2:
+        req[0] = -1
+        window_entries[0] = torch.arange(W) % entries[0]
+        window_entries[1] = -1
+        if main_entries is not None:
+            main_entries[0] = torch.arange(K) % entries[1]
+            main_entries[1] = -1
+    window = _cached_source(g, R, E[0], entries[0], d, fp8, dtype, req, window_entries, entry_pad, device)
+    main = None if K is None else _cached_source(g, R, E[1], entries[1], d, fp8, dtype, req, main_entries,
+                                                  entry_pad, device)
+    return (q, sink, d**-0.5, req.to(device), window, window_entries.to(device), main,
+            None if main_entries is None else main_entries.to(device))
 
 
-def gather_paged(cache: Tensor, block_ids: Tensor, offsets: Tensor) -> Tensor:
-    """``cache[block_ids, offsets]`` with -1 ids clamped (those slots are invalid): ``[T, K, d]``."""
-    return cache[block_ids.clamp(min=0).long(), offsets.clamp(min=0).long()]
+def cached_keys(source: CacheSource, req: Tensor, entries: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[T, n, d]`` keys of ``sparse_attn_cached`` gathered independently of ``read_entries``: the whole
+    pool decoded (``kv_pack_ref.unpack_main`` or a cast), then indexed through the block table
+    (invalid slots read request 0's entry 0)."""
+    from csrc_triton.kv_pack_ref import unpack_main
+
+    view, bt, E, fp8 = source
+    pool = view.to(dtype) if fp8 is None else unpack_main(view, fp8.value_dim, fp8.rope_dim, dtype)  # [N, E, d]
+    r = req.clamp(min=0).long()[:, None].expand_as(entries)
+    e = entries.clamp(min=0).long()
+    return pool[bt.long()[r, e // E], e % E]
 
 
 def sparse_attn_bytes(T: int, H: int, K: int, d: int, dtype: torch.dtype) -> int:
     """Bytes the op must move: keys once per token, q and out once, the mask."""
     e = torch.finfo(dtype).bits // 8
     return T * K * d * e + 2 * T * H * d * e + T * K
+
+
+def sparse_attn_cached_bytes(T: int, H: int, d: int, slots: int, read: int, entry_bytes: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes :func:`sparse_attn_cached` must move: each of ``read`` valid slots' entry (``entry_bytes``)
+    and block-table entry (4 B) once per token, ``slots`` entry numbers (8 B, int64 as the model's),
+    q and out once."""
+    e = torch.finfo(dtype).bits // 8
+    return T * read * (entry_bytes + 4) + 8 * T * slots + 2 * T * H * d * e
 
 
 # -------------------------------------------------------------------------------------- mHC §4

@@ -20,8 +20,7 @@ from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.model.parallel import Shard
 
-# Queries attended per pass: each gathers its window and compressed keys ([t, W + K, d]), so this
-# bounds that memory (vLLM's profile run does not see it: our layers skip attention there).
+# Queries attended per call: bounds the [t, W + K] slot lists (and the CPU path's gathered keys).
 QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "2048"))
 
 
@@ -71,16 +70,11 @@ class Attention(nn.Module):
         if ratio == 4:
             self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"], max_model_len)
         self.max_c128_entries = -(-max_model_len // 128)
-        extra_keys = {0: 0, 4: cfg.index_topk, 128: self.max_c128_entries}[ratio]
-        entry_bytes = self.swa_cache.component.entry_bytes
-        # Per query of a pass: its keys gathered (raw entries, then decoded and concatenated in the model dtype).
-        self.pass_bytes_per_query = (self.window + extra_keys) * (entry_bytes + 2 * self.head_dim * kv_dtype.itemsize)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, D] post-attn_norm -> [T, D]."""
         md = self.swa_cache.metadata()
         if md is None:  # vLLM's profile / dummy run: no cache bound to this step
-            self._reserve_pass_memory(x)
             return torch.zeros_like(x)
         num_tokens = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
@@ -88,47 +82,36 @@ class Attention(nn.Module):
         q = ops.apply_rope_tail(ops.rms_norm(q, None, self.eps), positions, self.inv_freq)  # [T, H, d]
         req = md.token_to_req  # [T], -1 for padding
         self.swa_cache.insert(md, self.wkv(x), self.kv_norm, positions, self.inv_freq, req, positions)
+        main = None
         if self.ratio:  # every write of this step lands before any read
             self.compressor(x, positions)
-            entries, entries_valid = self._compressed_entries(md, x, q_latent, positions)  # [T, K]
+            entries = self._compressed_entries(md, x, q_latent, positions)  # [T, K], -1 where none
+            main = self.main_cache.source(self.main_cache.metadata())
+        window = self.swa_cache.source(md)
         o = torch.empty_like(q)
-        for start in range(0, num_tokens, QUERY_CHUNK):  # bounds the gathered keys' memory
+        for start in range(0, num_tokens, QUERY_CHUNK):
             rows = slice(start, start + QUERY_CHUNK)
-            keys, valid = self._window(md, req[rows], positions[rows])  # [t, W, d]
-            if self.ratio:
-                extra, extra_valid = self._read_compressed(req[rows], entries[rows], entries_valid[rows])
-                keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
-            o[rows] = ops.sparse_attn(q[rows], keys, valid, self.attn_sink, self.head_dim**-0.5)
+            o[rows] = ops.sparse_attn_cached(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
+                                             self._window(positions[rows]), main,
+                                             entries[rows] if self.ratio else None)
         o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
         return self.wo_b(self._grouped_wo_a(o))
 
-    def _reserve_pass_memory(self, x: torch.Tensor) -> None:
-        """Allocate (and free) what one attention pass over ``x``'s tokens gathers, so that vLLM's
-        memory profile, which runs without caches, sees that peak before it sizes the KV cache."""
-        if x.is_cuda and x.shape[0]:
-            torch.empty(min(x.shape[0], QUERY_CHUNK) * self.pass_bytes_per_query, dtype=torch.uint8, device=x.device)
-
-    def _window(self, md, req, positions):
-        """The last ``window`` raw tokens up to and including each query, from the SWA cache."""
+    def _window(self, positions):
+        """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
         pos = positions[:, None] - self.window + 1 + torch.arange(self.window, device=positions.device)
-        valid = (pos >= 0) & (req[:, None] >= 0)
-        keys = self.swa_cache.read(md, req.clamp(min=0)[:, None], pos.clamp(min=0))
-        return keys, valid
+        return torch.where(pos >= 0, pos, -1)
 
     def _compressed_entries(self, md, x, q_latent, positions):
-        """Entry numbers [T, K] each query attends: every visible C128 entry, or the indexer's C4 picks."""
+        """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry, or the
+        indexer's C4 picks."""
         if self.ratio == 4:
-            entries = self.indexer(x, q_latent, positions)  # [T, topk], -1 where none
-            return entries, entries >= 0
+            return self.indexer(x, q_latent, positions)  # [T, topk]
         num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
         # Decode steps attend a fixed width (what a CUDA graph replays); others the step's longest prefix.
         width = self.max_c128_entries if md.decode_only else max(int(num_visible.max()), 1)
-        entries = torch.arange(width, device=x.device).expand(x.shape[0], width)
-        return entries, entries < num_visible[:, None]
-
-    def _read_compressed(self, req, entries, valid):
-        keys = self.main_cache.read(self.main_cache.metadata(), req.clamp(min=0)[:, None], entries.clamp(min=0))
-        return keys, valid & (req[:, None] >= 0)
+        entries = torch.arange(width, device=x.device)
+        return torch.where(entries < num_visible[:, None], entries, -1)
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """Block-diagonal per-group down-projection (§5.6): [T, H, d] -> [T, G * o_rank]."""

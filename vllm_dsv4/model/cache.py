@@ -7,6 +7,7 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
+from csrc_triton.sparse_attn_ref import CacheSource
 from vllm_dsv4 import compat, ops
 from vllm_dsv4.attention.backend import CacheBackend, CacheStepMetadata
 from vllm_dsv4.kv.layout import Component
@@ -50,6 +51,11 @@ class CacheLayer(nn.Module, AttentionLayerBase):
     def view(self) -> torch.Tensor:
         """The bound pages as ``[num_blocks, entries_per_block, entry_elems]``."""
         return compat.cache_view(self.kv_cache)
+
+    def source(self, md: CacheStepMetadata) -> CacheSource:
+        """This step's pages as a key source that kernels read by (request, entry)."""
+        comp = self.component
+        return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8)
 
     def write(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N] (rows with req < 0: none)."""
