@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _e4m3_decode, _mode
+from csrc_triton.kv_cache import _e4m3_decode, _index_scale, _mode
 
 # Elements of the fp32 [tokens, entries] score block materialised per chunk (128 MiB), as the reference.
 _CHUNK_ELEMS = 1 << 25
@@ -66,9 +66,7 @@ def _indexer_scores_kernel(
         k_mask = vis[:, None] & c_ok[None, :]
         if FP8:  # [di e4m3 | fp32 scale, little-endian] (kv_pack_ref.pack_index), decoded as kv_cache does
             code = tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0)  # [BN, BDI] uint8
-            j = tl.arange(0, 4)[None, :]
-            sb = tl.load(row[:, None] + (di + j) * s_kd, mask=vis[:, None], other=0).to(tl.uint32)  # [BN, 4]
-            scale = tl.sum(sb << (8 * j).to(tl.uint32), axis=1).to(tl.float32, bitcast=True)  # [BN]
+            scale = _index_scale(row[:, None], di, vis[:, None], s_kd)  # [BN]
             # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range)
             k = (_e4m3_decode(code) * scale[:, None]).to(q_ptr.dtype.element_ty)  # [BN, BDI]
         else:

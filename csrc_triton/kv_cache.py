@@ -66,6 +66,15 @@ def _bf16_decode(lo, hi):
 
 
 @triton.jit
+def _index_scale(row, value_dim, ok, s_v2):
+    """fp32 scale [BK] of the indexer entries at ``row`` [BK, 1] (``ok`` [BK, 1]): the little-endian
+    fp32 after the ``value_dim`` e4m3 codes (kv_pack_ref.pack_index); 0 where not ``ok``."""
+    j = tl.arange(0, 4)[None, :]
+    sb = tl.load(row + (value_dim + j) * s_v2, mask=ok, other=0).to(tl.uint32)  # [BK, 4]
+    return tl.sum(sb << (8 * j).to(tl.uint32), axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _main_values(row, c, ok, nope, rope, s_v2, NOPE_BLOCK: tl.constexpr):
     """fp32 values at columns ``c`` [1, BC] of the main entries at ``row`` [BK, 1] (``ok`` [BK, 1]):
     e4m3 nope values times their block's ue8m0 scale, then the bf16 rope tail; 0 past ``nope + rope``
@@ -184,10 +193,7 @@ def _read_kernel(
         c = tl.arange(0, BLOCK_C)[None, :]
         m = ok[:, None] & (c < nope)
         q = _e4m3_decode(tl.load(row + c * s_v2, mask=m, other=0))
-        j = tl.arange(0, 4)[None, :]
-        sb = tl.load(row + (nope + j) * s_v2, mask=ok[:, None], other=0).to(tl.uint32)  # [BK, 4] little-endian
-        scale = tl.sum(sb << (8 * j).to(tl.uint32), axis=1).to(tl.float32, bitcast=True)  # [BK]
-        _store_values(o_row + c, q * scale[:, None], m, OUT_BF16)
+        _store_values(o_row + c, q * _index_scale(row, nope, ok[:, None], s_v2)[:, None], m, OUT_BF16)
 
 
 @triton.jit
