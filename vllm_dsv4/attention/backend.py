@@ -23,16 +23,12 @@ from vllm.v1.attention.backend import (
 class CacheStepMetadata:
     """Where one cache component's entries live in this step. R requests, T tokens.
 
-    ``block_table`` [R, max_blocks] and ``slot_mapping`` [T] (token slot = block * block_tokens +
-    offset, -1 for padding) are this component's KV-cache group's; the rest is shared by all groups.
-    Device tensors are views of buffers that keep their address from step to step, which is what a
-    captured CUDA graph replays against.
+    ``block_table`` [R, max_blocks] is this component's KV-cache group's; the rest is shared by all
+    groups. Device tensors are views of buffers that keep their address from step to step, which is
+    what a captured CUDA graph replays against.
     """
 
     block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tokens: int
-    query_start_loc: torch.Tensor  # [R+1] int64, CPU
     token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
     decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
 
@@ -43,8 +39,6 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Decodes first: the model's prefill/decode split reads contiguous ranges.
-        self._init_reorder_batch_threshold(1)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._token_to_req = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
 
@@ -57,9 +51,6 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
         self._token_to_req[:num_tokens].copy_(token_to_req, non_blocking=True)
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
-            slot_mapping=cm.slot_mapping[:num_tokens],
-            block_tokens=self.kv_cache_spec.block_size,
-            query_start_loc=qsl,
             token_to_req=self._token_to_req[:num_tokens],
             decode_only=cm.max_query_len == 1,
         )
