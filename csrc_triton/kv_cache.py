@@ -29,13 +29,21 @@ from csrc_triton.kv_pack_ref import NOPE_BLOCK, index_entry_bytes, main_entry_by
 
 
 @triton.jit
-def _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
-                s_v0, s_v1, E):
-    """[BK] pointers to the entries (a, b) of the index tensors: view[bt[req, e // E], e % E]."""
+def _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1, s_v0, E):
+    """[BK] (block pointer, offset in the block) of the entries (a, b) of the index tensors: entry
+    ``e`` of request ``r`` is at offset ``e % E`` of block ``bt[r, e // E]``."""
     r = tl.load(req_ptr + a * s_ra + b * s_rb, mask=ok, other=0).to(tl.int64)
     e = tl.load(entry_ptr + a * s_ea + b * s_eb, mask=ok, other=0).to(tl.int64)
     blk = tl.load(bt_ptr + r * s_bt0 + (e // E) * s_bt1, mask=ok, other=0).to(tl.int64)
-    return view_ptr + blk * s_v0 + (e % E) * s_v1
+    return view_ptr + blk * s_v0, e % E
+
+
+@triton.jit
+def _main_parts(block, o, E, D, C):
+    """Byte pointers to the data part (``D`` bytes: nope e4m3, rope bf16) and the scale part of the
+    main entries at offsets ``o`` of ``block`` (``C`` bytes per entry): a block holds its E data parts,
+    then its E scale parts (kv_pack_ref.main_page_parts, FlashMLA's arrangement)."""
+    return block + o * D, block + E * D + o * (C - D)
 
 
 @triton.jit
@@ -75,18 +83,19 @@ def _index_scale(row, value_dim, ok, s_v2):
 
 
 @triton.jit
-def _main_values(row, c, ok, nope, rope, s_v2, NOPE_BLOCK: tl.constexpr):
-    """fp32 values at columns ``c`` [1, BC] of the main entries at ``row`` [BK, 1] (``ok`` [BK, 1]):
-    e4m3 nope values times their block's ue8m0 scale, then the bf16 rope tail; 0 past ``nope + rope``
-    and where not ``ok``. Any columns in one tile (sparse_attn.py decodes whole keys): each value
-    loads its own scale byte (``NOPE_BLOCK`` values share one, so that load hits the cache)."""
+def _main_values(data, scales, c, ok, nope, rope, NOPE_BLOCK: tl.constexpr):
+    """fp32 values at columns ``c`` [1, BC] of the main entries with parts ``data``, ``scales`` [BK, 1]
+    (``_main_parts``; ``ok`` [BK, 1]): e4m3 nope values times their block's ue8m0 scale, then the bf16
+    rope tail; 0 past ``nope + rope`` and where not ``ok``. Any columns in one tile (sparse_attn.py
+    decodes whole keys): each value loads its own scale byte (``NOPE_BLOCK`` values share one, so
+    that load hits the cache)."""
     is_nope = ok & (c < nope)
-    code = tl.load(row + c * s_v2, mask=is_nope, other=0)
-    sb = tl.load(row + (nope + 2 * rope + c // NOPE_BLOCK) * s_v2, mask=is_nope, other=127)
+    code = tl.load(data + c, mask=is_nope, other=0)
+    sb = tl.load(scales + c // NOPE_BLOCK, mask=is_nope, other=127)
     i = c - nope
     is_rope = ok & (c >= nope) & (i < rope)
-    lo = tl.load(row + (nope + 2 * i) * s_v2, mask=is_rope, other=0)
-    hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=is_rope, other=0)
+    lo = tl.load(data + nope + 2 * i, mask=is_rope, other=0)
+    hi = tl.load(data + nope + 2 * i + 1, mask=is_rope, other=0)
     return tl.where(c < nope, _e4m3_decode(code) * _ue8m0_decode(sb), _bf16_decode(lo, hi))
 
 
@@ -135,10 +144,11 @@ def _store_bf16_bytes(ptr, value, mask, s_v2):
 
 
 @triton.jit
-def _store_main_pad(row, nope, rope, C, mask, s_v2, BLOCK_K: tl.constexpr, NOPE_BLOCK: tl.constexpr):
-    """Zero the pad of main entries ``row`` [BK, 1] after their scale bytes (up to 8 B, to entry width C)."""
-    p = nope + 2 * rope + (nope + NOPE_BLOCK - 1) // NOPE_BLOCK + tl.arange(0, 8)[None, :]
-    tl.store(row + p * s_v2, tl.zeros([BLOCK_K, 8], tl.uint8), mask=mask & (p < C))
+def _store_scale_pad(scales, nope, scale_bytes, mask, NOPE_BLOCK: tl.constexpr):
+    """Zero the pad after the ue8m0 bytes in the scale parts ``scales`` [BK, 1] of main entries
+    (fewer than 8 bytes, up to ``scale_bytes``)."""
+    p = (nope + NOPE_BLOCK - 1) // NOPE_BLOCK + tl.arange(0, 8)[None, :]
+    tl.store(scales + p, tl.zeros_like(p).to(tl.uint8), mask=mask & (p < scale_bytes))
 
 
 @triton.jit
@@ -168,26 +178,27 @@ def _read_kernel(
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     ok = b < B
-    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
-                      s_v0, s_v1, E)[:, None]  # [BK, 1]
+    block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
+                            s_v0, E)
+    row = (block + o * s_v1)[:, None]  # [BK, 1] raw and indexer entries
     o_row = out_ptr + (a * B + b)[:, None] * D  # [BK, 1]; D values per entry
     if not (MAIN or INDEX):  # raw entries
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)[None, :]
             m = ok[:, None] & (c < C)
             tl.store(o_row + c, tl.load(row + c * s_v2, mask=m), mask=m)
-    elif MAIN:
-        scales = row + (nope + 2 * rope) * s_v2  # one ue8m0 byte per 64 nope values
+    elif MAIN:  # bytes contiguous (s_v2 = 1); one ue8m0 scale byte per 64 nope values
+        data, scales = _main_parts(block[:, None], o[:, None], E, nope + 2 * rope, C)
         for c0 in range(0, nope, BLOCK_C):  # BLOCK_C = 64: one scale per tile
             c = c0 + tl.arange(0, BLOCK_C)[None, :]
             m = ok[:, None] & (c < nope)
-            q = _e4m3_decode(tl.load(row + c * s_v2, mask=m, other=0))
-            scale = _ue8m0_decode(tl.load(scales + (c0 // BLOCK_C) * s_v2, mask=ok[:, None], other=127))
+            q = _e4m3_decode(tl.load(data + c, mask=m, other=0))
+            scale = _ue8m0_decode(tl.load(scales + c0 // BLOCK_C, mask=ok[:, None], other=127))
             _store_values(o_row + c, q * scale, m, OUT_BF16)
         i = tl.arange(0, BLOCK_R)[None, :]
         m = ok[:, None] & (i < rope)
-        lo = tl.load(row + (nope + 2 * i) * s_v2, mask=m, other=0)
-        hi = tl.load(row + (nope + 2 * i + 1) * s_v2, mask=m, other=0)
+        lo = tl.load(data + nope + 2 * i, mask=m, other=0)
+        hi = tl.load(data + nope + 2 * i + 1, mask=m, other=0)
         _store_values(o_row + nope + i, _bf16_decode(lo, hi), m, OUT_BF16)
     else:  # indexer key
         c = tl.arange(0, BLOCK_C)[None, :]
@@ -207,28 +218,29 @@ def _write_kernel(
     b = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     ok = b < B
     ok &= tl.load(req_ptr + a * s_ra + b * s_rb, mask=ok, other=-1) >= 0  # padding rows write nothing
-    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
-                      s_v0, s_v1, E)[:, None]  # [BK, 1]
+    block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, a, b, ok, s_ra, s_rb, s_ea, s_eb, s_bt0, s_bt1,
+                            s_v0, E)
+    row = (block + o * s_v1)[:, None]  # [BK, 1] raw and indexer entries
     v_row = val_ptr + (a * B + b)[:, None] * D  # [BK, 1]
     if not (MAIN or INDEX):  # raw entries
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)[None, :]
             m = ok[:, None] & (c < C)
             tl.store(row + c * s_v2, tl.load(v_row + c, mask=m), mask=m)
-    elif MAIN:
-        scales = row + (nope + 2 * rope) * s_v2
+    elif MAIN:  # bytes contiguous (s_v2 = 1)
+        data, scales = _main_parts(block[:, None], o[:, None], E, nope + 2 * rope, C)
         for c0 in range(0, nope, BLOCK_C):  # BLOCK_C = 64: one scale per tile
             c = c0 + tl.arange(0, BLOCK_C)[None, :]
             m = ok[:, None] & (c < nope)
             x = tl.load(v_row + c, mask=m, other=0.0).to(tl.float32)  # [BK, 64]; the tail block padded with 0
             k = _scale_exponent(tl.max(tl.abs(x), axis=1))[:, None]  # [BK, 1]
-            _store_e4m3(row + c * s_v2, x, k, m)
-            tl.store(scales + (c0 // BLOCK_C) * s_v2, (k + 127).to(tl.uint8), mask=ok[:, None])
+            _store_e4m3(data + c, x, k, m)
+            tl.store(scales + c0 // BLOCK_C, (k + 127).to(tl.uint8), mask=ok[:, None])
+        _store_scale_pad(scales, nope, C - nope - 2 * rope, ok[:, None], BLOCK_C)
         i = tl.arange(0, BLOCK_R)[None, :]
         m = ok[:, None] & (i < rope)
         value = tl.load(v_row + nope + i, mask=m, other=0.0).to(tl.float32)
-        _store_bf16_bytes(row + (nope + 2 * i) * s_v2, value, m, s_v2)
-        _store_main_pad(row, nope, rope, C, ok[:, None], s_v2, BLOCK_K, BLOCK_C)
+        _store_bf16_bytes(data + nope + 2 * i, value, m, 1)
     else:  # indexer key
         c = tl.arange(0, BLOCK_C)[None, :]
         m = ok[:, None] & (c < nope)
@@ -257,6 +269,7 @@ def _mode(view: Tensor, fp8) -> tuple[str, int, int, int]:
         assert C == index_entry_bytes(fp8.value_dim), (C, fp8)
         return "index", fp8.value_dim, fp8.value_dim, 0
     assert C == main_entry_bytes(fp8.value_dim, fp8.rope_dim), (C, fp8)
+    assert view.stride(2) == 1 and view.stride(1) == C, ("main FP8 blocks must be contiguous", view.stride())
     return "main", fp8.value_dim, fp8.value_dim - fp8.rope_dim, fp8.rope_dim
 
 

@@ -3,7 +3,8 @@
 Entry ``e`` of request ``r`` lives at ``view[block_table[r, e // E], e % E]`` with ``E`` entries per
 block (docs/ARCHITECTURE.md, "KV cache"). Raw components store values as they are; FP8 components
 store the entries of :mod:`csrc_triton.kv_pack_ref` (584 B main KV, 132 B indexer keys), encoded
-on write and decoded on read. ``fp8`` is anything with ``value_dim`` and ``rope_dim`` (``None`` for
+on write and decoded on read; a block's main entries in FlashMLA's arrangement (data parts, then
+scale parts: ``kv_pack_ref.main_page_parts``). ``fp8`` is anything with ``value_dim`` and ``rope_dim`` (``None`` for
 an indexer key), e.g. ``vllm_dsv4.kv.layout.Fp8Entry``.
 
 Bytes per entry read (V4, FP8 main KV, bf16 out): 584 in, 1024 out, plus the block-table lookup;
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
+from csrc_triton.kv_pack_ref import main_page_parts, pack_index, pack_main, unpack_index, unpack_main
 
 
 def _address(block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int) -> tuple[Tensor, Tensor]:
@@ -42,13 +43,14 @@ def read_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, 
         ``[..., value_dim]`` in ``out_dtype`` (``value_dim = C`` for raw entries).
     """
     block, offset = _address(block_table, req, entry, entries_per_block)  # [...]
-    raw = view[block.flatten(), offset.expand_as(block).flatten()]  # [N, C], a copy (the codecs view its bytes)
+    at = block.flatten(), offset.expand_as(block).flatten()
     if fp8 is None:
-        values = raw.to(out_dtype)
+        values = view[at].to(out_dtype)  # [N, C]
     elif fp8.rope_dim is None:
-        values = unpack_index(raw, out_dtype)
+        values = unpack_index(view[at], out_dtype)
     else:
-        values = unpack_main(raw, fp8.value_dim, fp8.rope_dim, out_dtype)
+        data, scales = main_page_parts(view, fp8.value_dim, fp8.rope_dim)
+        values = unpack_main(torch.cat([data[at], scales[at]], -1), fp8.value_dim, fp8.rope_dim, out_dtype)
     return values.view(*block.shape, values.shape[-1])  # [..., value_dim]
 
 
@@ -59,10 +61,14 @@ def write_entries(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor,
     Rows with ``req < 0`` (padding) are not written."""
     shape = values.shape[:-1]
     keep = req.expand(shape) >= 0  # boolean indexing syncs with the device; the kernel masks instead
-    values, req, entry = values[keep], req.expand(shape)[keep], entry.expand(shape)[keep]
-    if fp8 is not None:
-        flat = values.reshape(-1, values.shape[-1])  # [N, value_dim]
-        packed = pack_index(flat) if fp8.rope_dim is None else pack_main(flat, fp8.rope_dim)  # [N, C]
-        values = packed.view(*values.shape[:-1], packed.shape[-1])
+    values, req, entry = values[keep], req.expand(shape)[keep], entry.expand(shape)[keep]  # [N, value_dim], [N]
     block, offset = _address(block_table, req, entry, entries_per_block)
-    view[block, offset] = values.to(view.dtype)
+    if fp8 is None:
+        view[block, offset] = values.to(view.dtype)
+    elif fp8.rope_dim is None:
+        view[block, offset] = pack_index(values)
+    else:
+        packed = pack_main(values, fp8.rope_dim)  # [N, C]
+        data, scales = main_page_parts(view, fp8.value_dim, fp8.rope_dim)
+        data[block, offset] = packed[:, : data.shape[-1]]
+        scales[block, offset] = packed[:, data.shape[-1] :]

@@ -13,7 +13,8 @@ squares is summed in another order and rsqrt / cos / sin come from another libra
 values before a rounding may differ by a few ulps, which now and then moves a bf16 or e4m3 rounding
 to the neighbouring value (tests/csrc_triton/test_kv_insert_kernel.py states the bounds).
 
-Bytes per row (V4 main KV, bf16 x, FP8 entry): 1024 in, 584 out, plus its position, request, entry
+Bytes per row (V4 main KV, bf16 x, FP8 entry): 1024 in, 584 out (data and scale parts apart:
+kv_pack_ref.main_page_parts), plus its position, request, entry
 and block-table entry (the norm weight and inv_freq are shared by all rows).
 """
 
@@ -26,13 +27,14 @@ from torch import Tensor
 
 from csrc_triton.kv_cache import (
     _bf16_bits,
-    _entry_rows,
+    _entry_slots,
+    _main_parts,
     _mode,
     _scale_exponent,
     _store_bf16_bytes,
     _store_e4m3,
     _store_index_scale,
-    _store_main_pad,
+    _store_scale_pad,
     _store_values,
 )
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
@@ -56,8 +58,9 @@ def _norm_rope_insert_kernel(
 ):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows
     ok = tl.load(req_ptr + n * s_req, mask=n < N, other=-1) >= 0  # padded rows read and write nothing
-    row = _entry_rows(view_ptr, bt_ptr, req_ptr, entry_ptr, 0, n, ok, 0, s_req, 0, s_entry, s_bt0, s_bt1,
-                      s_v0, s_v1, E)[:, None]  # [BN, 1]
+    block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, 0, n, ok, 0, s_req, 0, s_entry, s_bt0, s_bt1,
+                            s_v0, E)
+    block, o = block[:, None], o[:, None]  # [BN, 1]
     c = tl.arange(0, BLOCK_D)[None, :]  # [1, BD] channels
     m = ok[:, None] & (c < D)
     x = tl.load(x_ptr + n[:, None] * s_xn + c * s_xd, mask=m, other=0.0).to(tl.float32)  # [BN, BD]
@@ -75,25 +78,25 @@ def _norm_rope_insert_kernel(
     r1 = tl.where(tail, y1 * cos + y0 * sin, y1)
     y = _round_to_x(tl.reshape(tl.join(r0, r1), [BLOCK_N, BLOCK_D]), X_BF16)  # apply_rope_tail
 
-    dst = row + c * s_v2  # [BN, BD]
+    row = block + o * s_v1  # [BN, 1] raw and indexer entries
     if not (MAIN or INDEX):  # raw entries: cast to the view's dtype
-        _store_values(dst, y, m, OUT_BF16)
+        _store_values(row + c * s_v2, y, m, OUT_BF16)
     elif INDEX:  # e4m3, one fp32 power-of-two scale per entry
         k = _scale_exponent(tl.max(tl.abs(y), axis=1))[:, None]  # [BN, 1]
-        _store_e4m3(dst, y, k, m)
+        _store_e4m3(row + c * s_v2, y, k, m)
         _store_index_scale(row + D * s_v2, k, ok[:, None], s_v2)
-    else:  # main: e4m3 nope with one ue8m0 byte per 64 values, bf16 rope, zero pad
+    else:  # main (bytes contiguous): e4m3 nope with one ue8m0 byte per 64 values, bf16 rope, zero pad
+        data, scales = _main_parts(block, o, E, nope + 2 * rope, C)
         fp8 = c < nope
         NB: tl.constexpr = BLOCK_D // NOPE_BLOCK
         blocks = tl.reshape(tl.where(fp8, tl.abs(y), 0.0), [BLOCK_N, NB, NOPE_BLOCK])
         k = _scale_exponent(tl.max(blocks, axis=2))  # [BN, NB]
         k_c = tl.reshape(tl.broadcast_to(k[:, :, None], [BLOCK_N, NB, NOPE_BLOCK]), [BLOCK_N, BLOCK_D])
-        _store_e4m3(dst, y, k_c, m & fp8)
-        _store_bf16_bytes(row + (2 * c - nope) * s_v2, y, m & (c >= nope), s_v2)  # byte nope + 2 (c - nope)
+        _store_e4m3(data + c, y, k_c, m & fp8)
+        _store_bf16_bytes(data + 2 * c - nope, y, m & (c >= nope), 1)  # byte nope + 2 (c - nope)
         b = tl.arange(0, NB)[None, :]  # [1, NB] scale blocks, ceil(nope / 64) of them real
-        tl.store(row + (nope + 2 * rope + b) * s_v2, (k + 127).to(tl.uint8),
-                 mask=ok[:, None] & (b * NOPE_BLOCK < nope))
-        _store_main_pad(row, nope, rope, C, ok[:, None], s_v2, BLOCK_N, NOPE_BLOCK)
+        tl.store(scales + b, (k + 127).to(tl.uint8), mask=ok[:, None] & (b * NOPE_BLOCK < nope))
+        _store_scale_pad(scales, nope, C - nope - 2 * rope, ok[:, None], NOPE_BLOCK)
 
 
 def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions: Tensor, inv_freq: Tensor,

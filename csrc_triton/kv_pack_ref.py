@@ -2,11 +2,14 @@
 
 Main KV entry (SWA window and compressed C4/C128 entries), ``d = nope + rope`` values:
     ``[nope e4m3 (nope B) | rope bf16 (2*rope B) | one ue8m0 scale byte per 64 nope values | pad]``
-padded to a multiple of 8 bytes: 448 + 128 + 7 + 1 = 584 B for V4 (the FlashMLA "MODEL1" sizes;
-we keep each entry's scales inline rather than at the end of its block). Each 64-value nope block is
-scaled by the smallest power of two that brings its amax under 448 (amax floored at 1e-4), exactly
-the reference model's KV "FP8 simulation" (dsv4_architecture.md §3.3), so decoding reproduces
-what the model was trained to see. RoPE dims stay bf16.
+with the scale part padded to a multiple of 8 bytes: 448 + 128 + 7 + 1 = 584 B for V4. Each 64-value
+nope block is scaled by the smallest power of two that brings its amax under 448 (amax floored at
+1e-4), exactly the reference model's KV "FP8 simulation" (dsv4_architecture.md §3.3), so decoding
+reproduces what the model was trained to see. RoPE dims stay bf16.
+
+In a cache block the E main entries are stored as FlashMLA's "MODEL1" FP8 sparse layout expects
+(so its decode kernel reads our caches as they are): the E data parts (nope + rope, 576 B for V4)
+first, then the E scale parts (8 B), ``E * 584`` bytes in all (:func:`main_page_parts`).
 
 Indexer key entry, ``di`` values: ``[e4m3 (di B) | fp32 scale (4 B)]`` = 132 B for di = 128, one
 power-of-two scale per entry.
@@ -22,10 +25,26 @@ NOPE_BLOCK = 64
 AMAX_FLOOR = 1e-4
 
 
+def main_data_bytes(head_dim: int, rope_dim: int) -> int:
+    """Bytes of a main entry before its scales: the e4m3 nope values and the bf16 rope values."""
+    return head_dim + rope_dim
+
+
 def main_entry_bytes(head_dim: int, rope_dim: int) -> int:
-    nope = head_dim - rope_dim
-    raw = nope + 2 * rope_dim + -(-nope // NOPE_BLOCK)
-    return -(-raw // 8) * 8
+    scales = -(-(head_dim - rope_dim) // NOPE_BLOCK)
+    return main_data_bytes(head_dim, rope_dim) + -(-scales // 8) * 8
+
+
+def main_page_parts(view: Tensor, head_dim: int, rope_dim: int) -> tuple[Tensor, Tensor]:
+    """The data parts ``[num_blocks, E, data]`` and scale parts ``[num_blocks, E, C - data]`` of the
+    main entries in ``view`` ``[num_blocks, E, C]`` (uint8, each block's ``E * C`` bytes contiguous):
+    views of the same bytes, FlashMLA's arrangement (module doc). Concatenated on the last axis they
+    are the entries as :func:`pack_main` writes them."""
+    num_blocks, E, C = view.shape
+    assert view.stride(2) == 1 and view.stride(1) == C, ("main FP8 blocks must be contiguous", view.stride())
+    D = main_data_bytes(head_dim, rope_dim)
+    pages = view.as_strided((num_blocks, E * C), (view.stride(0), 1))
+    return pages[:, : E * D].unflatten(1, (E, D)), pages[:, E * D :].unflatten(1, (E, C - D))
 
 
 def index_entry_bytes(index_dim: int) -> int:

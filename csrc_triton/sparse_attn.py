@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _main_values, _mode
+from csrc_triton.kv_cache import _main_parts, _main_values, _mode
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
 from csrc_triton.sparse_attn_ref import CacheSource
 
@@ -84,11 +84,13 @@ def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope
         else:
             e = tl.load(idx_ptr + t * s_i0 + j * s_i1, mask=j < k_hi, other=-1).to(tl.int64)  # [BK]
             ok = e >= 0
-            blk = tl.load(bt_ptr + r * s_bt0 + (e // E) * s_bt1, mask=ok, other=0).to(tl.int64)
-            row = kv_ptr + blk * s_kv0 + (e % E) * s_kv1  # [BK]
+            block = kv_ptr + tl.load(bt_ptr + r * s_bt0 + (e // E) * s_bt1, mask=ok, other=0).to(tl.int64) * s_kv0
+            row = block + (e % E) * s_kv1  # [BK]
         # Invalid slots are masked out of the loads: whatever they hold (NaN) never enters the math.
         if KIND == "fp8":  # e4m3 x 2^k and bf16: exact in q's dtype, so products equal the gathered path's
-            kv = _main_values(row[:, None], dd[None, :], ok[:, None], nope, rope, s_kvd, _NOPE_BLOCK).to(q.dtype)
+            data, scales = _main_parts(block, e % E, E, nope + 2 * rope, s_kv1)  # entry bytes contiguous: C = s_kv1
+            kv = _main_values(data[:, None], scales[:, None], dd[None, :], ok[:, None], nope, rope,
+                              _NOPE_BLOCK).to(q.dtype)
         else:
             kv = tl.load(row[:, None] + dd[None, :] * s_kvd, mask=ok[:, None] & d_ok[None, :], other=0.0)
         kv_in = kv  # [BK, BD]

@@ -43,7 +43,7 @@ case "${1:-unit}" in
   bench-marlin)
     flash_checkpoint
     VLLM_DSV4_MOE=marlin timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines plugin \
-      --out "$LOG_DIR/bench-marlin" > "$LOG_DIR/bench_marlin.log" 2>&1; summary "$LOG_DIR/bench_marlin.log" ;;
+      --out "$LOG_DIR/bench-marlin" --profile-decode > "$LOG_DIR/bench_marlin.log" 2>&1; summary "$LOG_DIR/bench_marlin.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
   *)

@@ -36,6 +36,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin`` | not on CPU |
    ``marlin_mxfp4_experts()``; our Triton MoE (csrc_triton/moe_mxfp4.py) otherwise | make it the
    default once its GPU test and the benchmark have run.
+8. FlashMLA sparse FP8 attention (GPU path) | ``vllm.v1.attention.ops.flashmla``:
+   ``flash_mla_with_kvcache`` (sparse mode: ``indices`` + ``extra_k_cache``, ``attn_sink``,
+   ``topk_length``) and ``FlashMLASchedMeta``, present when ``is_flashmla_sparse_supported()``
+   (Hopper and Blackwell builds) | not on CPU | ``flashmla_sparse()`` returns them or None; our
+   Triton attention runs otherwise | delete when both versions ship the same module.
 """
 
 from __future__ import annotations
@@ -259,6 +264,21 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
 
 
 @functools.lru_cache(maxsize=None)
+@functools.cache
+def flashmla_sparse() -> SimpleNamespace | None:
+    """Ledger 8: vLLM's vendored FlashMLA sparse decode (``flash_mla_with_kvcache``, ``FlashMLASchedMeta``),
+    or None where this build or device has none."""
+    try:
+        from vllm.v1.attention.ops import flashmla
+    except ImportError:
+        return None
+    supported, reason = flashmla.is_flashmla_sparse_supported()
+    if not supported:
+        logger.info("vllm-dsv4: FlashMLA sparse attention unavailable (%s); using the Triton kernel", reason)
+        return None
+    return SimpleNamespace(attend=flashmla.flash_mla_with_kvcache, SchedMeta=flashmla.FlashMLASchedMeta)
+
+
 def _warn_once(message: str) -> None:
     logger.warning("vllm-dsv4: %s", message)
 

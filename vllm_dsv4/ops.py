@@ -5,7 +5,9 @@ tests/csrc_triton); otherwise the PyTorch references ``csrc_triton/<op>_ref.py``
 path. Same names and signatures either way. Ops without a kernel yet use the reference everywhere.
 ``VLLM_DSV4_OPS=reference`` forces the references on a GPU too (to bisect a kernel against them).
 ``block_fp8_gemm(weight, scale)`` binds one loaded FP8 weight to its GEMM: vLLM's block-FP8 kernel
-(compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise.
+(compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise. Attention over the
+caches runs FlashMLA's sparse kernel where it applies (attention/flashmla.py, falling back to ours);
+``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere.
 """
 
 import os
@@ -23,6 +25,9 @@ USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "tri
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):
     raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
+ATTN_BACKEND = os.environ.get("VLLM_DSV4_ATTN", "flashmla") if USE_KERNELS else "reference"
+if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
+    raise ValueError(f"VLLM_DSV4_ATTN={ATTN_BACKEND!r}: use 'flashmla' or 'triton'")
 
 if USE_KERNELS:
     from csrc_triton.compressor import compress_windows
@@ -33,8 +38,12 @@ if USE_KERNELS:
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.rope import apply_rope_tail
     from csrc_triton.routing import route
-    from csrc_triton.sparse_attn import sparse_attn_cached
     from vllm_dsv4.compat import block_fp8_gemm
+
+    if ATTN_BACKEND == "flashmla":
+        from vllm_dsv4.attention.flashmla import sparse_attn_cached
+    else:
+        from csrc_triton.sparse_attn import sparse_attn_cached
 else:
     from csrc_triton.compressor_ref import compress_windows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm

@@ -23,6 +23,7 @@ import os
 import torch
 from torch import Tensor
 
+from csrc_triton import kv_cache_ref
 from csrc_triton.sparse_attn_ref import CacheSource
 
 ON_GPU = torch.cuda.is_available()
@@ -81,21 +82,20 @@ def sparse_attn_args(T: int, H: int, K: int, d: int, dtype=torch.float32, p_vali
 def _cached_source(g: torch.Generator, R: int, E: int, num_entries: int, d: int, fp8, dtype: torch.dtype,
                    req: Tensor, entries: Tensor, entry_pad: int, device) -> CacheSource:
     """A source of ``num_entries`` entries per request that holds keys at every (req, entry) of a valid
-    slot (normals times ``2^j`` per 16 values, ``j`` in [-2, 1]: FP8 blocks of different scales) and
-    NaN (raw) or 0xFF bytes (FP8: NaN codes, inf scales) everywhere else. Shuffled column-major block
-    table (vLLM's is wider than needed: one spare block), strided view into a padded pool (``kv_view``)."""
-    from csrc_triton.kv_pack_ref import pack_main
-
+    slot (normals times ``2^j`` per 16 values, ``j`` in [-2, 1]: FP8 blocks of different scales),
+    written by the reference writer, and NaN (raw) or 0xFF bytes (FP8: NaN codes, inf scales)
+    everywhere else. Shuffled column-major block table (vLLM's is wider than needed: one spare
+    block), strided view into a padded pool (``kv_view``)."""
     bt, num_blocks = kv_block_table(g, R, -(-num_entries // E) + 1, device)
     bt = bt.t().contiguous().t()  # [R, max_blocks], strides (1, R)
     C = d if fp8 is None else fp8.entry_bytes
-    view = kv_view(g, num_blocks, E, C, dtype if fp8 is None else torch.uint8, entry_pad, device)
+    view = kv_view(g, num_blocks, E, C, dtype if fp8 is None else torch.uint8, entry_padding(fp8, entry_pad), device)
     view.fill_(float("nan") if fp8 is None else 0xFF)
     valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
     r, e = req[:, None].expand_as(entries)[valid].long(), entries[valid].long()  # [N] each
     j = torch.randint(-2, 2, (r.shape[0], d // 16 + 1), generator=g).float().repeat_interleave(16, 1)[:, :d]
     x = (torch.randn(r.shape[0], d, generator=g) * 2.0**j).to(device)  # [N, d]
-    view[bt[r, e // E].long(), e % E] = x.to(dtype) if fp8 is None else pack_main(x, fp8.rope_dim)
+    kv_cache_ref.write_entries(view, bt, r.to(device), e.to(device), E, x, fp8)
     return CacheSource(view, bt, E, fp8)
 
 
@@ -150,7 +150,8 @@ def cached_keys(source: CacheSource, req: Tensor, entries: Tensor, dtype: torch.
     from csrc_triton.kv_pack_ref import unpack_main
 
     view, bt, E, fp8 = source
-    pool = view.to(dtype) if fp8 is None else unpack_main(view, fp8.value_dim, fp8.rope_dim, dtype)  # [N, E, d]
+    pool = view.to(dtype) if fp8 is None else unpack_main(stored_entries(view, fp8), fp8.value_dim, fp8.rope_dim,
+                                                          dtype)  # [N, E, d]
     r = req.clamp(min=0).long()[:, None].expand_as(entries)
     e = entries.clamp(min=0).long()
     return pool[bt.long()[r, e // E], e % E]
@@ -425,6 +426,27 @@ def kv_view(g: torch.Generator, num_blocks: int, E: int, C: int, dtype: torch.dt
     return pool.to(device)[:, 3 : 3 + E * (C + entry_pad)].unflatten(1, (E, C + entry_pad))[..., :C]
 
 
+def entry_padding(fp8, entry_pad: int) -> int:
+    """``entry_pad`` for raw and indexer entries; 0 for FP8 main entries, whose blocks are contiguous
+    (FlashMLA's arrangement, kv_pack_ref.main_page_parts)."""
+    return 0 if fp8 is not None and fp8.rope_dim is not None else entry_pad
+
+
+def entry_parts(view: Tensor, fp8) -> tuple[Tensor, ...]:
+    """The ``[num_blocks, E, *]`` views that hold the entries' bytes, in entry order: the view itself,
+    or for FP8 main entries their data and scale parts (kv_pack_ref.main_page_parts)."""
+    from csrc_triton.kv_pack_ref import main_page_parts
+
+    if fp8 is None or fp8.rope_dim is None:
+        return (view,)
+    return main_page_parts(view, fp8.value_dim, fp8.rope_dim)
+
+
+def stored_entries(view: Tensor, fp8) -> Tensor:
+    """A copy ``[num_blocks, E, C]`` of every stored entry, bytes in entry order (what the codecs decode)."""
+    return torch.cat(entry_parts(view, fp8), -1)
+
+
 def kv_block_table(g: torch.Generator, R: int, max_blocks: int, device=DEVICE) -> tuple[Tensor, int]:
     """``([R, max_blocks] int32 shuffled distinct block ids, num_blocks)``; 3 blocks stay unused."""
     num_blocks = R * max_blocks + 3
@@ -444,10 +466,13 @@ def kv_read_args(req_shape: tuple, entry_shape: tuple, R: int, max_blocks: int, 
     g = _gen(seed)
     bt, num_blocks = kv_block_table(g, R, max_blocks, device)
     C = raw_dim if fp8 is None else fp8.entry_bytes
-    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_padding(fp8, entry_pad),
+                   device)
     if fp8 is not None and encoded:
         x = kv_values(g, num_blocks * E, fp8.value_dim, device=device)
-        view[:] = (pack_index(x) if fp8.rope_dim is None else pack_main(x, fp8.rope_dim)).view(num_blocks, E, C)
+        packed = (pack_index(x) if fp8.rope_dim is None else pack_main(x, fp8.rope_dim)).view(num_blocks, E, C)
+        for part in entry_parts(view, fp8):
+            part[:], packed = packed[..., : part.shape[-1]], packed[..., part.shape[-1] :]
     req = torch.randint(0, R, req_shape, generator=g)
     entry = torch.randint(0, max_blocks * E, entry_shape, generator=g)
     if entry.numel() >= 2 and max_blocks > 1:
@@ -463,7 +488,8 @@ def kv_write_args(R: int, n: int, max_blocks: int, E: int, fp8=None, raw_dtype=t
     g = _gen(seed)
     bt, num_blocks = kv_block_table(g, R, max_blocks, device)
     C = raw_dim if fp8 is None else fp8.entry_bytes
-    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_padding(fp8, entry_pad),
+                   device)
     start = torch.randint(0, max_blocks * E - n + 1, (R, 1), generator=g)
     entry = (start + torch.arange(n)).flatten()  # [R n]
     req = torch.arange(R).repeat_interleave(n)
@@ -488,7 +514,8 @@ def kv_insert_args(N: int, D: int, r: int, fp8=None, raw_dtype=torch.float32, x_
     g = _gen(seed)
     bt, num_blocks = kv_block_table(g, R, max_blocks, device)
     C = D if fp8 is None else fp8.entry_bytes
-    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_pad, device)
+    view = kv_view(g, num_blocks, E, C, raw_dtype if fp8 is None else torch.uint8, entry_padding(fp8, entry_pad),
+                   device)
     per_req = max_blocks * E
     assert N <= R * per_req, (N, R, per_req)
     slots = torch.randperm(R * per_req, generator=g)[:N]

@@ -31,7 +31,7 @@ from csrc_triton.kv_insert import norm_rope_insert  # noqa: E402
 from csrc_triton.kv_pack_ref import unpack_index, unpack_main  # noqa: E402
 from csrc_triton.norm_ref import rms_norm  # noqa: E402
 from csrc_triton.rope_ref import apply_rope_tail  # noqa: E402
-from tests.csrc_triton.kernel_cases import SKIP_REASON, kv_insert_args  # noqa: E402
+from tests.csrc_triton.kernel_cases import SKIP_REASON, entry_parts, kv_insert_args  # noqa: E402
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
 KERNEL = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -60,11 +60,12 @@ def _written(write, build) -> torch.Tensor:
     after checking that every other byte of the pool is as a fresh ``build()`` holds it."""
     args, before = build(), build()
     write(*args)
-    view, bt, req, entry, E = args[5], args[6], args[7], args[8], args[9]
+    view, bt, req, entry, E, fp8 = args[5], args[6], args[7], args[8], args[9], args[10]
     keep = req >= 0
     block, offset = bt[req[keep], entry[keep] // E].long(), entry[keep] % E
-    slots = view[block, offset]  # [M, C] copy
-    view[block, offset] = before[5][block, offset]
+    slots = torch.cat([part[block, offset] for part in entry_parts(view, fp8)], -1)  # [M, C] copy
+    for part, part_before in zip(entry_parts(view, fp8), entry_parts(before[5], fp8)):
+        part[block, offset] = part_before[block, offset]
     assert torch.equal(storage_bytes(view), storage_bytes(before[5]))
     return slots
 
@@ -177,4 +178,5 @@ def test_ref_is_the_unfused_ops_row_by_row(kind):
             value = apply_rope_tail(rms_norm(x[t : t + 1], weight, eps), pos[t : t + 1], inv_freq)
             kv_cache_ref.write_entries(view, bt, req[t : t + 1], entry[t : t + 1], E, value, fp8)
     keep = req >= 0
-    assert torch.equal(view[bt[req[keep], entry[keep] // E].long(), entry[keep] % E], ref)
+    block, offset = bt[req[keep], entry[keep] // E].long(), entry[keep] % E
+    assert torch.equal(torch.cat([part[block, offset] for part in entry_parts(view, fp8)], -1), ref)

@@ -98,3 +98,24 @@ def test_kv_cache_dtype_choice(make_checkpoint_module):
     assert {n: c.entry_bytes for n, c in comps.items()} == {
         "swa": 584, "c4": 584, "indexer": 132, "c4_state": 2 * 2 * 512 * 4, "indexer_state": 2 * 2 * 128 * 4}  # [kv | score], 2 windows, fp32
     assert comps["c4"].page_bytes == 64 * 584
+
+
+@pytest.mark.parametrize("E", [64, 2])
+def test_main_block_is_flashmla_model1_layout(E):
+    """A block of E main entries written through the block table is FlashMLA's MODEL1 FP8 sparse
+    layout: the E 576-byte [448 e4m3 | 64 bf16] parts back to back, then the E 8-byte scale parts."""
+    from csrc_triton.kv_cache_ref import read_entries, write_entries
+    from vllm_dsv4.kv.layout import Fp8Entry
+
+    fp8 = Fp8Entry(512, 64)
+    view = torch.zeros(3, E, 584, dtype=torch.uint8)
+    x = sample(E, 512, seed=3)
+    block_table = torch.tensor([[2]])
+    write_entries(view, block_table, torch.zeros(E, dtype=torch.long), torch.arange(E), E, x, fp8)
+    packed = pack_main(x, 64)  # [E, 584] entries
+    block = view[2].flatten()
+    assert torch.equal(block[: E * 576].view(E, 576), packed[:, :576])
+    assert torch.equal(block[E * 576 :].view(E, 8), packed[:, 576:])
+    assert not view[:2].any()
+    read = read_entries(view, block_table, torch.zeros(E, dtype=torch.long), torch.arange(E), E, fp8, torch.float32)
+    assert torch.equal(read.double(), simulate_fp8_kv(x, 64))

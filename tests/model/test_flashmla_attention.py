@@ -1,0 +1,84 @@
+"""FlashMLA sparse attention (attention/flashmla.py) against our Triton kernel, its oracle, and the
+slot-to-cache-index mapping against a loop.
+
+The GPU cases read FP8 caches in FlashMLA's layout as the model fills them (written by the
+reference writer, kv_pack_ref.main_page_parts): V4-Flash C4 and C128 decode, window-only layers,
+V4-Pro's 128 heads, a prefill-sized batch and a head count FlashMLA pads (16 -> 64). Tolerance:
+kernel_cases.assert_close for bf16 (1e-2 and cosine > 0.9999): both kernels round the softmax
+weights to bf16 before the value product and accumulate in fp32, in different orders.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csrc_triton.sparse_attn_ref import CacheSource
+from tests.csrc_triton.kernel_cases import assert_close, sparse_attn_cached_args
+from vllm_dsv4 import compat
+from vllm_dsv4.attention import flashmla
+from vllm_dsv4.kv.layout import Fp8Entry
+
+V4 = Fp8Entry(512, 64)
+
+
+def test_global_slots_match_a_loop():
+    g = torch.Generator().manual_seed(0)
+    R, E, max_blocks, T, K = 3, 4, 5, 7, 9
+    block_table = torch.randperm(R * max_blocks + 2, generator=g)[: R * max_blocks].view(R, max_blocks).int()
+    src = CacheSource(torch.empty(0, E, 8), block_table, E, None)
+    req = torch.randint(0, R, (T,), generator=g)
+    req[2] = -1
+    entries = torch.randint(-1, max_blocks * E, (T, K), generator=g)
+    entries[4] = -1
+    index, length = flashmla.global_slots(src, req, entries)
+    assert index.shape == (T, 1, flashmla.SLOT_ALIGN) and index.dtype == length.dtype == torch.int32
+    for t in range(T):
+        want = [-1] * flashmla.SLOT_ALIGN
+        for k in range(K):
+            e = int(entries[t, k])
+            if e >= 0 and req[t] >= 0:
+                want[k] = int(block_table[req[t], e // E]) * E + e % E
+        assert index[t, 0].tolist() == want
+        valid = [k + 1 for k in range(K) if want[k] >= 0]
+        assert int(length[t]) == (max(valid) if valid else 0)
+
+
+def _aligned(src: CacheSource) -> CacheSource:
+    """The source's entries in a pool whose pages start 16 bytes into 16-byte-aligned rows (FlashMLA's
+    alignment; still a padded page stride)."""
+    num_blocks, E, C = src.view.shape
+    row = -(-(E * C + 32) // 16) * 16
+    pool = torch.full((num_blocks, row), 0xFF, dtype=torch.uint8, device=src.view.device)
+    view = pool[:, 16 : 16 + E * C].unflatten(1, (E, C))
+    view.copy_(src.view)
+    return src._replace(view=view)
+
+
+# (T, H, W, K, E, entries, visible): V4-Flash C4 decode, C128 decode (fixed width, 300 visible),
+# window-only, V4-Pro heads, a prefill-sized batch, padded heads.
+CASES = [
+    (32, 64, 128, 512, (64, 64), (4096, 4096), None),
+    (32, 64, 128, 8192, (64, 2), (4096, 8192), 300),
+    (32, 64, 128, None, (64, 64), (4096, 4096), None),
+    (16, 128, 128, 512, (64, 64), (1024, 1024), None),
+    (1024, 64, 128, 512, (64, 64), (4096, 4096), None),
+    (32, 16, 128, 512, (64, 64), (1024, 1024), None),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
+                    reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
+@pytest.mark.parametrize("T, H, W, K, E, entries, visible", CASES)
+def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
+    from csrc_triton.sparse_attn import sparse_attn_cached as triton_attn
+
+    q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
+        T, H, 512, W, K, V4, torch.bfloat16, E=E, entries=entries, visible=visible, device="cuda")
+    window, main = _aligned(window), main and _aligned(main)
+    args = (q, sink, scale, req, window, window_entries, main, main_entries)
+    assert flashmla.applies(q, window, main)
+    out = flashmla.sparse_attn_cached(*args)
+    ref = triton_attn(*args)
+    assert_close(out, ref, torch.bfloat16)
+    assert (ref[:2] == 0).all() and (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot

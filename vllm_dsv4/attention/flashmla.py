@@ -1,0 +1,98 @@
+"""Sparse attention through FlashMLA's FP8 sparse decode kernel (vLLM's vendored copy, compat ledger 8).
+
+Same arguments and semantics as ``csrc_triton.sparse_attn.sparse_attn_cached``: query t attends the
+window entries then the compressed entries of its request, keys = values, the per-head sink in the
+denominator. Our FP8 caches already hold FlashMLA's "MODEL1" block layout (kv_pack_ref), so the
+kernel reads the window cache as its ``k_cache`` and the C4 / C128 cache as its ``extra_k_cache``
+as they are; each query becomes one kernel "request" of one token, its slots turned into global
+cache indices (``block * E + offset``, -1 empty). Where the kernel does not apply (no FlashMLA,
+raw caches, ``d != 512``, more than 128 heads, pages not 16-byte aligned) the Triton kernel runs,
+which is also this path's oracle (tests/model/test_flashmla_attention.py).
+
+The kernel takes 64 or 128 query heads: fewer heads are padded with zero queries. Slot lists are
+padded with -1 to a multiple of 128 (its index blocks are 64 wide, 128 on Blackwell's head-128
+kernel) and cut short per query by ``topk_length`` (one past the last valid slot), so a C128 decode's
+fixed-width list costs only its visible entries. The scheduler metadata is planned per call (one
+small kernel): layers differ in their C4 picks, and a fresh plan is what CUDA-graph replay re-runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from csrc_triton import sparse_attn
+from csrc_triton.sparse_attn_ref import CacheSource
+from vllm_dsv4 import compat
+
+HEAD_DIM = 512  # FlashMLA MODEL1: 448 FP8 nope + 64 bf16 rope values per key
+ROPE_DIM = 64
+SLOT_ALIGN = 128
+
+
+def _padded_heads(num_heads: int) -> int | None:
+    return 64 if num_heads <= 64 else 128 if num_heads <= 128 else None
+
+
+def _fits(src: CacheSource) -> bool:
+    fp8, view = src.fp8, src.view
+    return (fp8 is not None and (fp8.value_dim, fp8.rope_dim) == (HEAD_DIM, ROPE_DIM)
+            and view.data_ptr() % 16 == 0 and view.stride(0) % 16 == 0)
+
+
+def applies(q: Tensor, window: CacheSource, main: CacheSource | None) -> bool:
+    """Whether FlashMLA can run this call (else the Triton kernel does)."""
+    return (compat.flashmla_sparse() is not None and q.is_cuda and q.dtype == torch.bfloat16
+            and q.shape[-1] == HEAD_DIM and _padded_heads(q.shape[1]) is not None
+            and _fits(window) and (main is None or _fits(main)))
+
+
+def global_slots(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
+    """``([T, 1, K'] int32 cache indices, [T] int32 lengths)``: entry ``e`` of request ``r`` is index
+    ``block_table[r, e // E] * E + e % E``; -1 where the slot is empty or the row is padding
+    (``req < 0``); ``K'`` is K rounded up to ``SLOT_ALIGN``; a length is one past the last valid slot."""
+    T, K = entries.shape
+    E = src.entries_per_block
+    valid = (entries >= 0) & (req[:, None] >= 0)  # [T, K]
+    e = entries.clamp(min=0).long()
+    block = src.block_table[req.clamp(min=0).long()[:, None], e // E].long()  # [T, K]
+    index = torch.where(valid, block * E + e % E, -1).to(torch.int32)
+    width = max(SLOT_ALIGN, -(-K // SLOT_ALIGN) * SLOT_ALIGN)
+    index = torch.nn.functional.pad(index, (0, width - K), value=-1)
+    position = torch.arange(1, K + 1, device=entries.device, dtype=torch.int32)
+    length = torch.where(valid, position, 0).amax(-1) if K else torch.zeros(T, dtype=torch.int32,
+                                                                             device=entries.device)
+    return index.unsqueeze(1), length.to(torch.int32)
+
+
+def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+    """``csrc_triton.sparse_attn.sparse_attn_cached`` through FlashMLA where it applies (module doc).
+
+    CUDA-graph safe: no host synchronisation, shapes fixed by the arguments'.
+    """
+    if not applies(q, window, main):
+        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
+    flashmla = compat.flashmla_sparse()
+    T, H, d = q.shape
+    heads = _padded_heads(H)
+    if heads == H and q.stride(-1) == 1:
+        q_in, sink_in = q.unsqueeze(1), sink.float().contiguous()
+    else:
+        q_in = q.new_zeros(T, 1, heads, d)
+        q_in[:, 0, :H] = q
+        sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
+        sink_in[:H] = sink
+    indices, lengths = global_slots(window, req, window_entries)
+    extra = {}
+    if main is not None:
+        extra_indices, extra_lengths = global_slots(main, req, main_entries)
+        extra = dict(extra_k_cache=main.view.unsqueeze(2), extra_indices_in_kvcache=extra_indices,
+                     extra_topk_length=extra_lengths)
+    out = torch.empty(T, 1, heads, d, dtype=q.dtype, device=q.device)
+    if T:
+        flashmla.attend(q=q_in, k_cache=window.view.unsqueeze(2), block_table=None, cache_seqlens=None,
+                        head_dim_v=d, tile_scheduler_metadata=flashmla.SchedMeta(), softmax_scale=scale,
+                        is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in, out=out,
+                        **extra)
+    return out[:, 0, :H]
