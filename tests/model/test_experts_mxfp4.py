@@ -108,12 +108,28 @@ def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
 @pytest.mark.parametrize("T, E", [(1, 256), (16, 256), (300, 256), (64, 128)])
 def test_marlin_moe_matches_the_reference(T, E):
     """compat.marlin_mxfp4_experts (VLLM_DSV4_MOE=marlin) over V4-Flash-sized experts equals the
-    MXFP4 reference, skipped slots included, to the bf16 tolerance of the Triton MoE's test (the
-    same products; h is kept in bf16 between the matmuls, as there)."""
+    MXFP4 reference, skipped slots included.
+
+    Marlin stores each slot's weighted expert output ``w_j y_j`` in bf16 before the k-sum (vLLM's
+    ``moe_sum``), which the reference (and our Triton MoE) accumulate in fp32. That rounds each of
+    the k parts once (2^-9 relative) and the running sum k - 1 times, so per element
+    ``|out - ref| <= 2^-8 k sum_j |w_j y_j| + 1e-2`` (the bf16 tolerance of the kernel tests, for the
+    products' order); measured on H200 (2026-12-03) the elementwise 1e-2 alone failed 12 of 1.2M
+    elements by up to 0.0156, within this bound. The cosine must stay > 0.9999 as in the kernel tests.
+    """
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4 as reference
-    from tests.csrc_triton.kernel_cases import assert_close, moe_mxfp4_args
+    from tests.csrc_triton.kernel_cases import moe_mxfp4_args
     from vllm_dsv4 import compat
 
     x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(T, 4096, 2048, E, 6, torch.bfloat16, limit=10.0)
-    run = compat.marlin_mxfp4_experts(w13, s13, w2, s2, limit)
-    assert_close(run(x, weights, ids), reference(x, weights, ids, w13, s13, w2, s2, limit), torch.bfloat16)
+    out = compat.marlin_mxfp4_experts(w13, s13, w2, s2, limit)(x, weights, ids).double().cpu()
+    ref = reference(x, weights, ids, w13, s13, w2, s2, limit).double().cpu()
+    k = ids.shape[1]
+    parts = torch.zeros_like(ref)  # sum_j |w_j y_j|, each slot alone (the others skipped: id E)
+    for j in range(k):
+        only_j = torch.where(torch.arange(k, device=ids.device) == j, ids, E)
+        parts += reference(x, weights, only_j, w13, s13, w2, s2, limit).double().cpu().abs()
+    excess = (out - ref).abs() - (2.0**-8 * k * parts + 1e-2)
+    assert excess.max() <= 0, ((out - ref).abs().max().item(), excess.argmax().item())
+    if ref.norm() > 0:
+        assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item() > 0.9999
