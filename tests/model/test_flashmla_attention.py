@@ -44,6 +44,20 @@ def test_global_slots_match_a_loop():
         assert int(length[t]) == (max(valid) if valid else 0)
 
 
+def test_unreadable_caches_are_named():
+    """Caches FlashMLA cannot read (the Triton kernel runs them, the reason logged): raw entries,
+    other dims, pages off 16-byte alignment; V4 FP8 pages at aligned offsets are readable."""
+    pool = torch.zeros(3, 64 * 584 + 48, dtype=torch.uint8)
+    bt = torch.zeros(1, 1, dtype=torch.int32)
+    view_at = lambda offset: pool[:, offset : offset + 64 * 584].unflatten(1, (64, 584))  # noqa: E731
+    assert flashmla._misfit(CacheSource(view_at(16), bt, 64, V4)) is None
+    assert "aligned" in flashmla._misfit(CacheSource(view_at(3), bt, 64, V4))
+    assert "raw" in flashmla._misfit(CacheSource(torch.zeros(3, 64, 512), bt, 64, None))
+    small = Fp8Entry(64, 16)
+    assert "head_dim 64" in flashmla._misfit(CacheSource(torch.zeros(3, 4, small.entry_bytes, dtype=torch.uint8),
+                                                          bt, 4, small))
+
+
 def _aligned(src: CacheSource) -> CacheSource:
     """The source's entries in a pool whose pages start 16 bytes into 16-byte-aligned rows (FlashMLA's
     alignment; still a padded page stride)."""
@@ -77,7 +91,7 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
         T, H, 512, W, K, V4, torch.bfloat16, E=E, entries=entries, visible=visible, device="cuda")
     window, main = _aligned(window), main and _aligned(main)
     args = (q, sink, scale, req, window, window_entries, main, main_entries)
-    assert flashmla.applies(q, window, main)
+    assert flashmla.why_not(q, window, main) is None
     out = flashmla.sparse_attn_cached(*args)
     ref = triton_attn(*args)
     assert_close(out, ref, torch.bfloat16)

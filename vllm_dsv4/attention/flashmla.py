@@ -6,7 +6,8 @@ denominator. Our FP8 caches already hold FlashMLA's "MODEL1" block layout (kv_pa
 kernel reads the window cache as its ``k_cache`` and the C4 / C128 cache as its ``extra_k_cache``
 as they are; each query becomes one kernel "request" of one token, its slots turned into global
 cache indices (``block * E + offset``, -1 empty). Where the kernel does not apply (no FlashMLA,
-raw caches, ``d != 512``, more than 128 heads, pages not 16-byte aligned) the Triton kernel runs,
+raw caches, ``d != 512``, more than 128 heads, pages not 16-byte aligned) the Triton kernel runs
+(the reason logged once),
 which is also this path's oracle (tests/model/test_flashmla_attention.py).
 
 The kernel takes 64 or 128 query heads: fewer heads are padded with zero queries. Slot lists are
@@ -18,12 +19,17 @@ small kernel): layers differ in their C4 picks, and a fresh plan is what CUDA-gr
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import Tensor
 
 from csrc_triton import sparse_attn
 from csrc_triton.sparse_attn_ref import CacheSource
 from vllm_dsv4 import compat
+
+logger = logging.getLogger(__name__)
 
 HEAD_DIM = 512  # FlashMLA MODEL1: 448 FP8 nope + 64 bf16 rope values per key
 ROPE_DIM = 64
@@ -34,17 +40,32 @@ def _padded_heads(num_heads: int) -> int | None:
     return 64 if num_heads <= 64 else 128 if num_heads <= 128 else None
 
 
-def _fits(src: CacheSource) -> bool:
+def _misfit(src: CacheSource) -> str | None:
+    """Why FlashMLA cannot read this cache, or None."""
     fp8, view = src.fp8, src.view
-    return (fp8 is not None and (fp8.value_dim, fp8.rope_dim) == (HEAD_DIM, ROPE_DIM)
-            and view.data_ptr() % 16 == 0 and view.stride(0) % 16 == 0)
+    if fp8 is None:
+        return "raw (non-FP8) KV entries"
+    if (fp8.value_dim, fp8.rope_dim) != (HEAD_DIM, ROPE_DIM):
+        return f"head_dim {fp8.value_dim} / rope {fp8.rope_dim} (FlashMLA reads 512 / 64)"
+    if view.data_ptr() % 16 or view.stride(0) % 16:
+        return "cache pages not 16-byte aligned"
+    return None
 
 
-def applies(q: Tensor, window: CacheSource, main: CacheSource | None) -> bool:
-    """Whether FlashMLA can run this call (else the Triton kernel does)."""
-    return (compat.flashmla_sparse() is not None and q.is_cuda and q.dtype == torch.bfloat16
-            and q.shape[-1] == HEAD_DIM and _padded_heads(q.shape[1]) is not None
-            and _fits(window) and (main is None or _fits(main)))
+def why_not(q: Tensor, window: CacheSource, main: CacheSource | None) -> str | None:
+    """Why FlashMLA cannot run this call (the Triton kernel does), or None when it can."""
+    if compat.flashmla_sparse() is None:
+        return "no FlashMLA sparse kernel in this vLLM build or on this device"
+    if not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[-1] != HEAD_DIM:
+        return f"queries {q.dtype} of dim {q.shape[-1]} (FlashMLA takes bf16, 512)"
+    if _padded_heads(q.shape[1]) is None:
+        return f"{q.shape[1]} heads (FlashMLA takes up to 128)"
+    return _misfit(window) or (main and _misfit(main))
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    logger.info("vllm-dsv4: attention runs the Triton kernel, not FlashMLA: %s", reason)
 
 
 def global_slots(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,7 +92,9 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
 
     CUDA-graph safe: no host synchronisation, shapes fixed by the arguments'.
     """
-    if not applies(q, window, main):
+    reason = why_not(q, window, main)
+    if reason:
+        _log_fallback(reason)
         return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
     flashmla = compat.flashmla_sparse()
     T, H, d = q.shape
