@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_pack_ref import NOPE_BLOCK, index_entry_bytes, main_entry_bytes
+from csrc_triton.kv_pack_ref import NOPE_BLOCK, check_main_blocks, index_entry_bytes, main_entry_bytes
 
 
 @triton.jit
@@ -269,7 +269,7 @@ def _mode(view: Tensor, fp8) -> tuple[str, int, int, int]:
         assert C == index_entry_bytes(fp8.value_dim), (C, fp8)
         return "index", fp8.value_dim, fp8.value_dim, 0
     assert C == main_entry_bytes(fp8.value_dim, fp8.rope_dim), (C, fp8)
-    assert view.stride(2) == 1 and view.stride(1) == C, ("main FP8 blocks must be contiguous", view.stride())
+    check_main_blocks(view)
     return "main", fp8.value_dim, fp8.value_dim - fp8.rope_dim, fp8.rope_dim
 
 

@@ -35,13 +35,19 @@ def main_entry_bytes(head_dim: int, rope_dim: int) -> int:
     return main_data_bytes(head_dim, rope_dim) + -(-scales // 8) * 8
 
 
+def check_main_blocks(view: Tensor) -> None:
+    """Main FP8 entries are addressed as whole blocks of contiguous bytes (``E * C`` per block)."""
+    assert view.stride(2) == 1 and view.stride(1) == view.shape[2], ("main FP8 blocks must be contiguous",
+                                                                      view.stride())
+
+
 def main_page_parts(view: Tensor, head_dim: int, rope_dim: int) -> tuple[Tensor, Tensor]:
     """The data parts ``[num_blocks, E, data]`` and scale parts ``[num_blocks, E, C - data]`` of the
     main entries in ``view`` ``[num_blocks, E, C]`` (uint8, each block's ``E * C`` bytes contiguous):
     views of the same bytes, FlashMLA's arrangement (module doc). Concatenated on the last axis they
     are the entries as :func:`pack_main` writes them."""
+    check_main_blocks(view)
     num_blocks, E, C = view.shape
-    assert view.stride(2) == 1 and view.stride(1) == C, ("main FP8 blocks must be contiguous", view.stride())
     D = main_data_bytes(head_dim, rope_dim)
     pages = view.as_strided((num_blocks, E * C), (view.stride(0), 1))
     return pages[:, : E * D].unflatten(1, (E, D)), pages[:, E * D :].unflatten(1, (E, C - D))

@@ -72,18 +72,16 @@ def global_slots(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor
     """``([T, 1, K'] int32 cache indices, [T] int32 lengths)``: entry ``e`` of request ``r`` is index
     ``block_table[r, e // E] * E + e % E``; -1 where the slot is empty or the row is padding
     (``req < 0``); ``K'`` is K rounded up to ``SLOT_ALIGN``; a length is one past the last valid slot."""
-    T, K = entries.shape
+    K = entries.shape[1]
     E = src.entries_per_block
     valid = (entries >= 0) & (req[:, None] >= 0)  # [T, K]
     e = entries.clamp(min=0).long()
     block = src.block_table[req.clamp(min=0).long()[:, None], e // E].long()  # [T, K]
     index = torch.where(valid, block * E + e % E, -1).to(torch.int32)
     width = max(SLOT_ALIGN, -(-K // SLOT_ALIGN) * SLOT_ALIGN)
-    index = torch.nn.functional.pad(index, (0, width - K), value=-1)
-    position = torch.arange(1, K + 1, device=entries.device, dtype=torch.int32)
-    length = torch.where(valid, position, 0).amax(-1) if K else torch.zeros(T, dtype=torch.int32,
-                                                                             device=entries.device)
-    return index.unsqueeze(1), length.to(torch.int32)
+    index = torch.nn.functional.pad(index, (0, width - K), value=-1)  # [T, K'], K' >= 1
+    position = torch.arange(1, width + 1, device=entries.device, dtype=torch.int32)
+    return index.unsqueeze(1), torch.where(index >= 0, position, 0).amax(-1)
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
