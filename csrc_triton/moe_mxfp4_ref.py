@@ -18,6 +18,7 @@ from torch import Tensor
 from csrc_triton.routing_ref import moe_experts
 
 MXFP4_BLOCK = 32
+DECODE_GROUP = 16  # experts decoded to fp32 at a time
 # e2m1 value of each 4-bit code: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
@@ -59,8 +60,8 @@ def moe_experts_mxfp4(
 ) -> Tensor:
     """:func:`routing_ref.moe_experts` with MXFP4 expert weights (§6 steps 4-5).
 
-    Only experts that received a token are decoded (one host sync for the set), so the fp32 copy
-    stays proportional to the hit experts.
+    Only experts that received a token are decoded (one host sync for the set), ``DECODE_GROUP`` at
+    a time, so the fp32 copies stay small; the groups' outputs are summed in fp32.
 
     Args:
         x: ``[T, D]`` post-``ffn_norm`` activations.
@@ -78,8 +79,11 @@ def moe_experts_mxfp4(
     E = w13.shape[0]
     ids = torch.where((ids >= 0) & (ids < E), ids.long(), E)  # [T, k] anything else is skipped too
     hit = torch.unique(ids[ids < E])  # [H] sorted local ids
-    compact = torch.full((E + 1,), hit.numel(), dtype=torch.long, device=ids.device)  # [E+1] E -> skip id H
-    compact[hit] = torch.arange(hit.numel(), device=ids.device)
-    w13_f = decode_mxfp4(w13[hit], w13_scale[hit])  # [H, 2I, D]
-    w2_f = decode_mxfp4(w2[hit], w2_scale[hit])  # [H, D, I]
-    return moe_experts(x, weights, compact[ids], w13_f, w2_f, swiglu_limit)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
+    for group in hit.split(DECODE_GROUP):  # bounded fp32 copies: 256 V4-Flash experts decode to 26 GB
+        compact = torch.full((E + 1,), group.numel(), dtype=torch.long, device=ids.device)  # others -> skip id
+        compact[group] = torch.arange(group.numel(), device=ids.device)
+        w13_f = decode_mxfp4(w13[group], w13_scale[group])  # [G, 2I, D]
+        w2_f = decode_mxfp4(w2[group], w2_scale[group])  # [G, D, I]
+        out += moe_experts(x.float(), weights, compact[ids], w13_f, w2_f, swiglu_limit)
+    return out.to(x.dtype)

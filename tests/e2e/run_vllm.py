@@ -14,13 +14,18 @@ import time
 import torch
 
 
-def dense(logprobs: dict, vocab: int) -> torch.Tensor:
-    """[vocab] float64 log-probs, -inf where vLLM returned none (one indexed store: full-vocabulary
-    rows of a 16 x 2k-token batch would take minutes element by element)."""
-    row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
-    row[torch.tensor(list(logprobs), dtype=torch.long)] = torch.tensor([lp.logprob for lp in logprobs.values()],
-                                                                         dtype=torch.float64)
-    return row
+def logprob_rows(steps: list[dict], vocab: int, sparse: bool) -> torch.Tensor:
+    """[N, vocab] float64 log-probs of N positions: dense with -inf where vLLM returned none, or
+    sparse (top-k of a 129k-token vocabulary: dense, 1k rows would take a gigabyte). Built in one
+    indexed store: element by element, a 16 x 2k-token batch would take minutes."""
+    rows = torch.tensor([r for r, d in enumerate(steps) for _ in range(len(d))], dtype=torch.long)
+    cols = torch.tensor([t for d in steps for t in d], dtype=torch.long)
+    values = torch.tensor([lp.logprob for d in steps for lp in d.values()], dtype=torch.float64)
+    if sparse:
+        return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, (len(steps), vocab)).coalesce()
+    out = torch.full((len(steps), vocab), float("-inf"), dtype=torch.float64)
+    out[rows, cols] = values
+    return out
 
 
 def count_preemptions() -> list:
@@ -95,15 +100,18 @@ def main(job_path: str, out_path: str) -> None:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     batches = []
     for batch in job["batches"]:
+        # logprobs: True for the whole vocabulary, k for the top k (stored sparse), False for none
         want_logprobs = batch.get("logprobs", False)
         want_prompt_logprobs = batch.get("prompt_logprobs", want_logprobs)  # (vLLM skips prefix-cache hits for them)
+        top_k = None if isinstance(want_logprobs, bool) else want_logprobs
+        count = -1 if top_k is None else top_k
         params = SamplingParams(
             temperature=0.0,
             max_tokens=job["max_tokens"],
             ignore_eos=True,
             detokenize=False,
-            logprobs=-1 if want_logprobs else None,
-            prompt_logprobs=-1 if want_prompt_logprobs else None,
+            logprobs=count if want_logprobs else None,
+            prompt_logprobs=count if want_prompt_logprobs else None,
         )
         prompt_ids = batch["prompts"]
         if "extend_with_batch" in batch:  # teacher forcing: each prompt followed by an earlier batch's output
@@ -118,11 +126,11 @@ def main(job_path: str, out_path: str) -> None:
         results = []
         for o in outputs:
             r = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0}
-            if want_prompt_logprobs:
-                prompt_rows = [dense(d, vocab) for d in o.prompt_logprobs[1:]]
-                r["prompt_logprobs"] = torch.stack(prompt_rows) if prompt_rows else torch.empty(0, vocab).double()
+            if want_prompt_logprobs:  # score_last: only the last rows (the teacher-forced positions)
+                r["prompt_logprobs"] = logprob_rows(o.prompt_logprobs[1:][-batch.get("score_last", 0):], vocab,
+                                                    sparse=top_k is not None)
             if want_logprobs:
-                r["logprobs"] = torch.stack([dense(d, vocab) for d in o.outputs[0].logprobs])
+                r["logprobs"] = logprob_rows(o.outputs[0].logprobs, vocab, sparse=top_k is not None)
             results.append(r)
         batches.append(results)
     torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches)}, out_path)
