@@ -36,6 +36,7 @@ if USE_KERNELS:
     from csrc_triton.kv_insert import norm_rope_insert
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
+    from csrc_triton.out_proj import rope_out_proj
     from csrc_triton.rope import apply_rope_tail
     from csrc_triton.routing import route
     from vllm_dsv4.compat import block_fp8_gemm
@@ -52,6 +53,7 @@ else:
     from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
+    from csrc_triton.out_proj_ref import rope_out_proj
     from csrc_triton.rope_ref import apply_rope_tail
     from csrc_triton.routing_ref import route
     from csrc_triton.sparse_attn_ref import sparse_attn_cached
@@ -68,6 +70,7 @@ __all__ = [
     "moe_experts_mxfp4",
     "norm_rope_insert",
     "read_entries",
+    "rope_out_proj",
     "rms_norm",
     "rope_inv_freq",
     "route",

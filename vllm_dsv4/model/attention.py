@@ -94,8 +94,7 @@ class Attention(nn.Module):
             o[rows] = ops.sparse_attn_cached(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
                                              self._window(positions[rows]), main,
                                              entries[rows] if self.ratio else None)
-        o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
-        return self.wo_b(self._grouped_wo_a(o))
+        return self.wo_b(self._out_proj(o, positions))
 
     def _window(self, positions):
         """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
@@ -113,7 +112,11 @@ class Attention(nn.Module):
         entries = torch.arange(width, device=x.device)
         return torch.where(entries < num_visible[:, None], entries, -1)
 
-    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal per-group down-projection (§5.6): [T, H, d] -> [T, G * o_rank]."""
-        grouped = o.reshape(o.shape[0], self.groups, -1)  # [T, G, H/G*d]
-        return self.wo_a.grouped(grouped).flatten(1)
+    def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]; FP8 weights
+        in one fused kernel."""
+        if self.wo_a.weight_scale is not None:
+            return ops.rope_out_proj(o, positions, self.inv_freq, self.wo_a.weight, self.wo_a.weight_scale,
+                                     self.groups)
+        o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
+        return self.wo_a.grouped(o.reshape(o.shape[0], self.groups, -1)).flatten(1)
