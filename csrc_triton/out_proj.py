@@ -24,7 +24,7 @@ from triton.runtime.jit import JITFunction
 
 from csrc_triton.kv_cache import _bf16_bits, _e4m3_decode, _e4m3_encode
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 BLOCK_K = 128  # activation group = weight block
 
 
