@@ -2,10 +2,14 @@
 Triton kernel (dsv4_architecture.md §5.6; semantics and oracle: out_proj_ref.rope_out_proj).
 
 The unfused path runs the rope kernel, a transpose, then per group vLLM's activation quantiser and
-block-FP8 GEMM: about 20 launches per layer, each a few microseconds of a decode step. Here one
+block-FP8 GEMM: about 20 launches per layer. Opt-in (``VLLM_DSV4_OUT_PROJ=fused``): its first
+version, which computed cos / sin in every output block, took 109 us at 1 token and 21.7 ms at 8,192
+on the H200 for V4-Flash's wo_a (33.5 MB of FP8 weight: 7 us of HBM time), far from the GEMMs it
+replaces; this one is not yet measured. Here one
 program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group: per 128-wide K block it loads
 the attention output (and each channel's rope partner ``c ^ 1``), de-rotates the tail channels in
-fp32, rounds to o's dtype as the unfused path stores it, quantises each token's 128 values to e4m3
+fp32 with the per-token cos / sin the launcher computes as the reference does, rounds to o's dtype as
+the unfused path stores it, quantises each token's 128 values to e4m3
 with scale ``amax / 448``, and accumulates the FP8 tensor-core product scaled by the activation and
 weight block scales. A 128-block never straddles two heads (``d % 128 == 0``), so the group's K
 blocks walk its heads in order.
@@ -30,8 +34,8 @@ BLOCK_K = 128  # activation group = weight block
 
 @triton.jit
 def _rope_out_proj_kernel(
-    o_ptr, pos_ptr, freq_ptr, w_ptr, ws_ptr, out_ptr,
-    T, heads_per_group, d, nope, R,
+    o_ptr, cos_ptr, sin_ptr, w_ptr, ws_ptr, out_ptr,
+    T, heads_per_group, d, nope, half_r, R,
     s_ot, s_oh, s_od, s_wn, s_wk, s_sn, s_sk, s_yt, s_yn,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -43,7 +47,6 @@ def _rope_out_proj_kernel(
     c = tl.arange(0, BLOCK_K)  # [BK] channel within the K block
     partner = c ^ 1  # rope pairs are interleaved: (2i, 2i+1)
     sign = tl.where(c % 2 == 0, 1.0, -1.0)  # inverse rotation: y0 = x0 cos + x1 sin, y1 = x1 cos - x0 sin
-    pos = tl.load(pos_ptr + m, mask=m_ok, other=0).to(tl.float32)  # [BM]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, heads_per_group * d, BLOCK_K):
         head = g * heads_per_group + k0 // d
@@ -52,11 +55,12 @@ def _rope_out_proj_kernel(
         x = tl.load(row + ch[None, :] * s_od, mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BM, BK]
         if k0 % d + BLOCK_K > nope:  # this block holds rope tail channels
             xp = tl.load(row + (k0 % d + partner)[None, :] * s_od, mask=m_ok[:, None], other=0.0).to(tl.float32)
-            pair = (ch - nope) // 2  # [BK] frequency index where ch >= nope
             rot = ch >= nope
-            freq = tl.load(freq_ptr + tl.where(rot, pair, 0), mask=rot, other=0.0)  # [BK]
-            angle = pos[:, None] * freq[None, :]  # [BM, BK] the reference's fp32 product
-            y = x * tl.cos(angle) + sign[None, :] * xp * tl.sin(angle)
+            pair = m[:, None] * half_r + tl.where(rot, (ch - nope) // 2, 0)[None, :]  # [BM, BK] (token, frequency)
+            ok = m_ok[:, None] & rot[None, :]
+            cos = tl.load(cos_ptr + pair, mask=ok, other=1.0)
+            sin = tl.load(sin_ptr + pair, mask=ok, other=0.0)
+            y = x * cos + sign[None, :] * xp * sin
             if ROUND_BF16:  # as the unfused path stores the de-rotated output
                 y = (_bf16_bits(y) << 16).to(tl.float32, bitcast=True)
             x = tl.where(rot[None, :], y, x)
@@ -94,10 +98,11 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
         return out
     block_m = min(64, max(16, triton.next_power_of_2(T)))
     block_n = 64 if T <= 64 else 128  # decode: more programs to stream the weight
-    inv_freq = inv_freq.to(device=o.device, dtype=torch.float32).contiguous()
+    # the reference's angles and cos / sin, once per token (not per output block)
+    freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)  # [T, r/2]
     _rope_out_proj_kernel[(triton.cdiv(T, block_m), N // block_n)](
-        o, positions.to(o.device), inv_freq, weight, weight_scale, out,
-        T, H // groups, d, d - 2 * inv_freq.numel(), N // groups,
+        o, freqs.cos(), freqs.sin(), weight, weight_scale, out,
+        T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups,
         *o.stride(), *weight.stride(), *weight_scale.stride(), *out.stride(),
         ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         DOT_F32=_INTERPRETED,

@@ -172,6 +172,8 @@ def main() -> int:
         print(report(results))
         return 0
 
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.engines.split(","):
         out = (args.out or Path(".")).with_suffix(f".{name}.json")

@@ -5,9 +5,11 @@
 #   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
+#   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
+#   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 set -o pipefail
@@ -31,7 +33,11 @@ case "${1:-unit}" in
       tests/e2e/test_prefix_cache.py -k "(chunked and 64) or preempt or fp8_kv or cache" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;
   gpu-path)
     timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
-      -k reference_path > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;
+      -k "reference_path and not flash" > "$LOG_DIR/gpu_path.log" 2>&1; summary "$LOG_DIR/gpu_path.log" ;;
+  gpu-path-flash)
+    flash_checkpoint
+    DSV4_FLASH_CKPT="$FLASH" timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
+      tests/e2e/test_gpu_path.py -k flash > "$LOG_DIR/gpu_path_flash.log" 2>&1; summary "$LOG_DIR/gpu_path_flash.log" ;;
   graphs)
     timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
@@ -40,10 +46,11 @@ case "${1:-unit}" in
     flash_checkpoint
     timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile-decode \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
-  bench-marlin)
+  bench-marlin | bench-fused)  # our engine with an opt-in kernel
     flash_checkpoint
-    VLLM_DSV4_MOE=marlin timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines plugin \
-      --out "$LOG_DIR/bench-marlin" --profile-decode > "$LOG_DIR/bench_marlin.log" 2>&1; summary "$LOG_DIR/bench_marlin.log" ;;
+    case $1 in bench-marlin) export VLLM_DSV4_MOE=marlin ;; bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;; esac
+    timeout 540 python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" --profile-decode \
+      > "$LOG_DIR/$1.log" 2>&1; summary "$LOG_DIR/$1.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
   *)

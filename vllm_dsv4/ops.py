@@ -25,6 +25,11 @@ USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "tri
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):
     raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
+# wo_a with FP8 weights: the rope kernel then vLLM's block-FP8 GEMM per head group, or our fused kernel
+# (csrc_triton/out_proj.py; opt-in: on the H200 it is slower so far, 2026-12-03 in docs/bench).
+OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "grouped") if USE_KERNELS else "reference"
+if OUT_PROJ not in ("grouped", "fused", "reference"):
+    raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'grouped' or 'fused'")
 ATTN_BACKEND = os.environ.get("VLLM_DSV4_ATTN", "flashmla") if USE_KERNELS else "reference"
 if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
     raise ValueError(f"VLLM_DSV4_ATTN={ATTN_BACKEND!r}: use 'flashmla' or 'triton'")

@@ -1,10 +1,12 @@
 """Triton rope_out_proj (inverse RoPE + FP8 quantisation + grouped block-FP8 wo_a) against out_proj_ref.
 
-Tolerance: kernel_cases.assert_close at the bf16 level for both dtypes. Both sides quantise the same
-de-rotated values, but the kernel's fp32 cos / sin may differ from torch's by an ulp, and where that
-moves a value across an e4m3 rounding boundary one activation is off by one e4m3 step (2^-3
-relative): about 1e-3 on outputs of size 1 with these weights, well inside 1e-2, while a wrong
-rotation sign, a missed scale or a wrong group moves outputs by their own size.
+Tolerance: kernel_cases.assert_close at the bf16 level for both dtypes. Both sides de-rotate with the
+same cos / sin (the launcher computes them as the reference does) and quantise the same values; only
+the compiler's fp32 contraction may differ by an ulp, and where that moves a value across an e4m3
+rounding boundary one activation is off by one e4m3 step. A wrong rotation sign, a missed scale or
+a wrong group moves outputs by their own size. (H200, 2026-12-03, a first version computing cos /
+sin in the kernel: 18 of 19 cases passed; fp32 at 1,000 tokens did not, largest relative
+difference 0.30.)
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ TIGHT_RMS = 2.0**-6
 FLASH_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
                 "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}
 TOKENS = (1, 7, 300)
+WO_A = dict(groups=8, rank=1024, in_features=4096)
 
 
 # ---- inputs and bounds ----------------------------------------------------------------------------
@@ -165,13 +166,15 @@ def test_fp8_storage_computes_through_the_reference_on_cpu(reference_gemm):
     lin = held_linear(256, 384, seed=3)
     x = activations(6, 384, seed=4, dtype=torch.float32).view(2, 3, 384)
     assert torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale))
-    grouped = held_linear(2 * 128, 256, seed=5, groups=2)  # wo_a: read by ops.rope_out_proj, no GEMM bound
-    assert grouped.gemm is None
+    grouped = held_linear(2 * 128, 256, seed=5, groups=2)
     xg = activations(5, 2 * 256, seed=6, dtype=torch.float32).view(5, 2, 256)
-    with pytest.raises(ValueError, match="rope_out_proj reads it"):
+    want = torch.stack([fp8_linear(xg[:, g], grouped.weight[g * 128 : (g + 1) * 128], grouped.weight_scale[g : g + 1])
+                        for g in range(2)], 1)
+    assert torch.equal(grouped.grouped(xg), want)
+    with pytest.raises(ValueError, match="call grouped"):
         grouped(xg[:, 0])
-    with pytest.raises(ValueError, match="read by ops.rope_out_proj"):
-        grouped.grouped(xg)
+    with pytest.raises(ValueError, match="3 groups"):
+        grouped.grouped(xg[:, :1].expand(5, 3, 256))
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -401,6 +404,25 @@ def test_vllm_triton_fallback_matches_the_reference(vllm_context, tokens):
     w, s = fp8_weight(*FLASH_SHAPES["wq_a"], seed=11, device="cuda")
     x = activations(tokens, FLASH_SHAPES["wq_a"][1], seed=12, device="cuda")
     check_kernel(triton_block_fp8_gemm(w, s)(x), x, w, s, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, tokens):
+    groups, rank, in_features = WO_A["groups"], WO_A["rank"], WO_A["in_features"]
+    w, s = fp8_weight(groups * rank, in_features, seed=13, device="cuda")
+    lin = Linear(in_features, groups * rank).cuda()
+    lin.hold_fp8(groups)
+    lin.weight.data.copy_(w)
+    lin.weight_scale.data.copy_(s)
+    lin.finish_loading()
+    x = activations(tokens * groups, in_features, seed=14, device="cuda").view(tokens, groups, in_features)
+    y = lin.grouped(x)
+    assert y.shape == (tokens, groups, rank)
+    blocks = rank // GROUP
+    for g in range(groups):
+        check_kernel(y[:, g], x[:, g], w[g * rank : (g + 1) * rank], s[g * blocks : (g + 1) * blocks],
+                     lin.gemms[g].kernel)
 
 
 @pytest.mark.gpu

@@ -113,9 +113,9 @@ class Attention(nn.Module):
         return torch.where(entries < num_visible[:, None], entries, -1)
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]; FP8 weights
-        in one fused kernel."""
-        if self.wo_a.weight_scale is not None:
+        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: the rope
+        kernel, then one GEMM per group, or all in one kernel (``ops.OUT_PROJ``)."""
+        if self.wo_a.weight_scale is not None and ops.OUT_PROJ == "fused":
             return ops.rope_out_proj(o, positions, self.inv_freq, self.wo_a.weight, self.wo_a.weight_scale,
                                      self.groups)
         o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)

@@ -22,8 +22,7 @@ class Linear(nn.Module):
     Dequantised (the CPU path, and any weight not held in FP8): ``weight`` in the model dtype; the
     loader dequantises FP8 checkpoints into it. FP8 (``hold_fp8``, on the GPU path): ``weight``
     float8_e4m3fn [out, in] and ``weight_scale`` float32 [out/128, in/128], the checkpoint's bytes,
-    computed by ``ops.block_fp8_gemm`` once ``finish_loading`` has bound them to it; a weight of
-    several row groups (``wo_a``) stays as loaded, for ``ops.rope_out_proj`` to read.
+    computed by ``ops.block_fp8_gemm`` once ``finish_loading`` has bound them to it.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
@@ -32,13 +31,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.register_parameter("weight_scale", None)
         self.groups = 1
-        self.gemm = None  # ops.block_fp8_gemm bound to the FP8 weight, after finish_loading
+        self.gemms: tuple = ()  # one ops.block_fp8_gemm per row group, after finish_loading
 
     def hold_fp8(self, groups: int = 1) -> None:
         """Before loading: keep the checkpoint's FP8 bytes and block scales instead of dequantising.
 
-        ``groups`` > 1: the rows are independent groups (each whole blocks) that ``ops.rope_out_proj``
-        projects from one head group each.
+        ``groups`` > 1 splits the rows into independent GEMMs for ``grouped`` (each whole blocks).
         """
         rows = self.out_features // groups
         if rows * groups != self.out_features or (groups > 1 and rows % FP8_BLOCK):
@@ -52,27 +50,44 @@ class Linear(nn.Module):
         self.groups = groups
 
     def finish_loading(self) -> None:
-        """After loading: bind the FP8 weight to its GEMM (which may re-lay it out)."""
-        if self.weight_scale is not None and self.groups == 1:
-            self.gemm = ops.block_fp8_gemm(self.weight.data, self.weight_scale.data)
+        """After loading: bind each row group's FP8 weight to its GEMM (which may re-lay it out); for
+        the fused output projection (``ops.OUT_PROJ == "fused"``) grouped rows stay as loaded."""
+        if self.weight_scale is None or (self.groups > 1 and ops.OUT_PROJ == "fused"):
+            return
+        rows = self.out_features // self.groups
+        block_rows = rows // FP8_BLOCK if self.groups > 1 else self.weight_scale.shape[0]
+        self.gemms = tuple(
+            ops.block_fp8_gemm(self.weight.data[g * rows : (g + 1) * rows],
+                               self.weight_scale.data[g * block_rows : (g + 1) * block_rows])
+            for g in range(self.groups)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.weight_scale is None:
             return F.linear(x.to(self.weight.dtype), self.weight)
-        if self.groups != 1:
-            raise ValueError(f"this FP8 linear holds {self.groups} row groups: ops.rope_out_proj reads it")
-        if self.gemm is None:
-            raise RuntimeError("FP8 linear used before finish_loading() bound its weight to a GEMM")
-        return self.gemm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if len(self._bound()) != 1:
+            raise ValueError(f"this FP8 linear holds {self.groups} row groups: call grouped()")
+        return self.gemms[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal linear of a dequantised weight (§5.6): x [T, G, in] -> [T, G, out/G], group g
-        through rows g of W: ``einsum('tgi,gri->tgr', x, W.view(G, out/G, in))``."""
-        if self.weight_scale is not None:
-            raise ValueError("a grouped FP8 weight is read by ops.rope_out_proj")
-        w = self.weight.view(x.shape[1], -1, self.in_features)  # [G, R, in]
-        return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w)
+        """Block-diagonal linear (§5.6): x [T, G, in] -> [T, G, out/G], group g through rows g of W.
+
+        ``einsum('tgi,gri->tgr', x, W.view(G, out/G, in))``.
+        """
+        num_groups = x.shape[1]
+        if self.weight_scale is None:
+            w = self.weight.view(num_groups, -1, self.in_features)  # [G, R, in]
+            return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w)
+        if len(self._bound()) != num_groups:
+            raise ValueError(f"x has {num_groups} groups; this FP8 linear holds {self.groups}")
+        per_group = x.transpose(0, 1).contiguous()  # [G, T, in]: each group's rows contiguous for the GEMM
+        return torch.stack([gemm(xg) for gemm, xg in zip(self.gemms, per_group)], dim=1)
+
+    def _bound(self) -> tuple:
+        if not self.gemms:
+            raise RuntimeError("FP8 linear used before finish_loading() bound its weight to a GEMM")
+        return self.gemms
 
 
 def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_KERNELS) -> dict[str, int]:
@@ -81,7 +96,7 @@ def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_
     On the GPU path, every FP8 128x128-block weight of the official table (loader/checkpoint.py)
     whose shape is whole blocks (the kernels quantise activations in 128-wide groups), except the
     stacked routed experts (moe.py) and MTP; ``wo_a``'s rows are its ``o_groups`` output groups
-    (§5.6), held where ``ops.rope_out_proj`` can read them. Nothing on the CPU path or for an unquantised checkpoint: the loader dequantises every
+    (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an unquantised checkpoint: the loader dequantises every
     weight not held. Raises ConfigError when tensor parallelism would cut a held weight's blocks.
     """
     if not (on_gpu and cfg.quantized):
