@@ -45,34 +45,35 @@ def _rope_out_proj_kernel(
     g = tl.program_id(1) * BLOCK_N // R  # the group these rows belong to
     m_ok = m < T
     c = tl.arange(0, BLOCK_K)  # [BK] channel within the K block
-    partner = c ^ 1  # rope pairs are interleaved: (2i, 2i+1)
-    sign = tl.where(c % 2 == 0, 1.0, -1.0)  # inverse rotation: y0 = x0 cos + x1 sin, y1 = x1 cos - x0 sin
+    # The rope tail lies in each head's last K block. Its cos / sin, per (token, pair of that block), are
+    # loaded once; pairs before the tail get cos 1, sin 0, which leave them unchanged, exactly.
+    pair = (d - BLOCK_K) // 2 + tl.arange(0, BLOCK_K // 2) - nope // 2  # [BK/2] frequency index, < 0 before the tail
+    tail = m_ok[:, None] & (pair >= 0)[None, :]  # [BM, BK/2]
+    trig = m[:, None] * half_r + tl.maximum(pair, 0)[None, :]
+    cos_tail = tl.load(cos_ptr + trig, mask=tail, other=1.0)
+    sin_tail = tl.load(sin_ptr + trig, mask=tail, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, heads_per_group * d, BLOCK_K):
+    for k0 in range(0, heads_per_group * d, BLOCK_K):  # no branch in the body: Triton pipelines its loads
         head = g * heads_per_group + k0 // d
         ch = k0 % d + c  # [BK] channel within the head
-        row = o_ptr + m[:, None].to(tl.int64) * s_ot + head * s_oh  # [BM, 1]
-        x = tl.load(row + ch[None, :] * s_od, mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BM, BK]
-        if k0 % d + BLOCK_K > nope:  # this block holds rope tail channels
-            xp = tl.load(row + (k0 % d + partner)[None, :] * s_od, mask=m_ok[:, None], other=0.0).to(tl.float32)
-            rot = ch >= nope
-            pair = m[:, None] * half_r + tl.where(rot, (ch - nope) // 2, 0)[None, :]  # [BM, BK] (token, frequency)
-            ok = m_ok[:, None] & rot[None, :]
-            cos = tl.load(cos_ptr + pair, mask=ok, other=1.0)
-            sin = tl.load(sin_ptr + pair, mask=ok, other=0.0)
-            y = x * cos + sign[None, :] * xp * sin
-            if ROUND_BF16:  # as the unfused path stores the de-rotated output
-                y = (_bf16_bits(y) << 16).to(tl.float32, bitcast=True)
-            x = tl.where(rot[None, :], y, x)
+        x = tl.load(o_ptr + m[:, None].to(tl.int64) * s_ot + head * s_oh + ch[None, :] * s_od,
+                    mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BM, BK]
+        in_tail = k0 % d == d - BLOCK_K
+        cos = tl.where(in_tail, cos_tail, 1.0)
+        sin = tl.where(in_tail, sin_tail, 0.0)
+        x0, x1 = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))  # interleaved pairs (2i, 2i+1)
+        x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
+        if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
+            x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX  # [BM] per-token group scale
-        code = _e4m3_encode(x / scale[:, None])  # [BM, BK] round to nearest even, as torch's cast
+        v = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)  # [BM, BK]
         kw = (k0 + c).to(tl.int64)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + kw[None, :] * s_wk)  # [BN, BK] e4m3, K contiguous
         w_scale = tl.load(ws_ptr + (n // BLOCK_K) * s_sn + (k0 // BLOCK_K) * s_sk)  # [BN]
-        if DOT_F32:  # the interpreter: exact products of e4m3 values in fp32
-            part = tl.dot(_e4m3_decode(code), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), tl.trans(w))
+        if DOT_F32:  # the interpreter, whose fp8 casts round wrongly: e4m3 by hand, exact fp32 products
+            part = tl.dot(_e4m3_decode(_e4m3_encode(v)), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # round to nearest even, as torch's cast
+            part = tl.dot(v.to(tl.float8e4nv), tl.trans(w))
         acc += part * scale[:, None] * w_scale[None, :]
     out = out_ptr + m[:, None].to(tl.int64) * s_yt + n[None, :] * s_yn
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
@@ -80,10 +81,10 @@ def _rope_out_proj_kernel(
 
 def fits(o: Tensor, weight: Tensor, groups: int, rope_dim: int) -> bool:
     """Whether the kernel covers these shapes: 128-blocks within heads, whole 128-row output blocks
-    per group, the rope tail within a head."""
+    per group, the rope tail within a head's last 128-block."""
     T, H, d = o.shape
     return (d % BLOCK_K == 0 and H % groups == 0 and weight.shape[0] % (groups * BLOCK_K) == 0
-            and weight.shape[1] == H // groups * d and 0 < rope_dim <= d and rope_dim % 2 == 0)
+            and weight.shape[1] == H // groups * d and 0 < rope_dim <= BLOCK_K and rope_dim % 2 == 0)
 
 
 def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor, weight_scale: Tensor,
@@ -96,16 +97,17 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
     out = torch.empty(T, N, dtype=o.dtype, device=o.device)
     if T == 0:
         return out
-    block_m = min(64, max(16, triton.next_power_of_2(T)))
-    block_n = 64 if T <= 64 else 128  # decode: more programs to stream the weight
+    if T <= 64:  # decode: narrow tiles, more programs streaming the weight, deep load pipeline
+        tiles = dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=64, num_warps=4, num_stages=4)
+    else:
+        tiles = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     # the reference's angles and cos / sin, once per token (not per output block)
     freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)  # [T, r/2]
-    _rope_out_proj_kernel[(triton.cdiv(T, block_m), N // block_n)](
+    _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"])](
         o, freqs.cos(), freqs.sin(), weight, weight_scale, out,
         T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups,
         *o.stride(), *weight.stride(), *weight_scale.stride(), *out.stride(),
-        ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        DOT_F32=_INTERPRETED,
+        ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_K=BLOCK_K, DOT_F32=_INTERPRETED, **tiles,
     )
     return out
 
