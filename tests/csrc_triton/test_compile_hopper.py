@@ -1,6 +1,7 @@
 """Our Triton kernels compile for Hopper (sm_90) on any machine, GPU or not.
 
-Each launcher runs on CPU tensors with its kernel's ``run`` captured; the captured launch is then
+Every kernel that a launcher of ``csrc_triton`` launches is compiled at least once, at V4-Flash shapes.
+Each launcher runs on CPU tensors with its kernels' ``run`` captured; the captured launch is then
 compiled for sm_90 through PTX to a cubin (Triton ships ptxas), with the argument specialisation
 Triton's launcher applies (an int equal to 1 becomes a constant, ints and pointers divisible by 16
 get that hint), so the code the GPU would build is built here. This catches what the interpreter
@@ -12,6 +13,7 @@ device's (3.6 with vLLM 0.26); the GPU runs are the final word.
 
 from __future__ import annotations
 
+import functools
 from unittest import mock
 
 import pytest
@@ -21,22 +23,37 @@ triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
-from csrc_triton import out_proj, rope  # noqa: E402
-from tests.csrc_triton.kernel_cases import INTERPRET, out_proj_args, rope_args  # noqa: E402
+from csrc_triton import (  # noqa: E402
+    compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, out_proj, rope, routing, sparse_attn,
+)
+from tests.csrc_triton.kernel_cases import (  # noqa: E402
+    INTERPRET, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args, kv_write_args,
+    mhc_post_args, mhc_pre_args, moe_mxfp4_args, out_proj_args, rope_args, route_args, sparse_attn_args,
+    sparse_attn_cached_args,
+)
+from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter replaces compiled kernels")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 227 * 1024  # per block on H100 / H200
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-                torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+                torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+                torch.bool: "u1"}  # Triton's launcher passes bool tensors as u1
 
 
 def captured_launches(kernel, launcher, *args) -> list[tuple[tuple, dict]]:
-    """The (positional, keyword) arguments of every launch of ``kernel`` that ``launcher(*args)`` makes."""
+    """The (positional, keyword) arguments of every launch of ``kernel`` that ``launcher(*args)`` makes.
+    Every kernel's ``run`` is replaced, so that the launcher's other kernels do not run either."""
     launches = []
-    with mock.patch.object(kernel, "run", lambda *a, grid, warmup, **kw: launches.append((a, kw))):
+
+    def capture(self, *a, grid, warmup, **kw):
+        if self is kernel:
+            launches.append((a, kw))
+
+    with mock.patch.object(JITFunction, "run", capture):
         launcher(*args)
     return launches
 
@@ -76,7 +93,74 @@ def test_out_proj_compiles_for_hopper(tokens, tensor_core_op):
     assert "cp.async" in compiled.asm["ptx"]  # the weight loads are pipelined
 
 
-def test_rope_compiles_for_hopper():
-    (launch,) = captured_launches(rope._rope_tail_kernel, rope.apply_rope_tail,
-                                  *rope_args(64, (64,), 512, 64, torch.bfloat16, inverse=True, device="cpu"))
-    assert compile_for_hopper(rope._rope_tail_kernel, *launch).metadata.shared <= MAX_SHARED_BYTES
+V4_MAIN, V4_INDEX = Fp8Entry(512, 64), Fp8Entry(128, None)  # FP8 cache entries of 584 B, 132 B
+
+
+@functools.cache
+def v4_flash_experts(T: int) -> tuple:
+    """V4-Flash's D and I with 2 local experts, not 256 (quantising 256 of them takes minutes on a CPU);
+    the tile config depends on the rows per expert: T = 1 takes the decode config, T = 64 (192 rows
+    per expert, as T > 682 with 256 experts) the batch one. Cached: three kernels share one build."""
+    return moe_mxfp4_args(T, 4096, 2048, 2, 6, torch.bfloat16, device="cpu")
+
+
+# (kernel, its launcher, the launcher's arguments); shapes from the kernel tests' V4-Flash cases
+KERNEL_CASES = [
+    pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,
+                 lambda: rope_args(64, (64,), 512, 64, torch.bfloat16, inverse=True, device="cpu"), id="rope"),
+    pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
+                 lambda: compress_args(300, 4, 512, True, device="cpu"), id="compress-csa"),
+    pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
+                 lambda: compress_args(64, 128, 512, False, device="cpu"), id="compress-hca"),
+    pytest.param(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk,
+                 lambda: indexer_args([min(2048, (p + 1) // 4) for p in range(0, 40 * 211, 211)], 2048, 64, 128, 512,
+                                      torch.bfloat16, device="cpu"), id="indexer-prefill"),
+    pytest.param(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk_paged,
+                 lambda: indexer_paged_args([8192, 4096, 513, 0], [0, 1, 2, -1], 3, 8192, 64, 128, 512, 64, V4_INDEX,
+                                            torch.bfloat16, device="cpu"), id="indexer-paged-fp8"),
+    pytest.param(kv_cache._read_kernel, kv_cache.read_entries,
+                 lambda: kv_read_args((64, 1), (64, 640), 8, 16, 64, V4_MAIN, out_dtype=torch.bfloat16, device="cpu"),
+                 id="kv-read-main"),
+    pytest.param(kv_cache._read_kernel, kv_cache.read_entries,
+                 lambda: kv_read_args((), (16384,), 2, 256, 64, V4_INDEX, out_dtype=torch.bfloat16, device="cpu"),
+                 id="kv-read-index"),
+    pytest.param(kv_cache._write_kernel, kv_cache.write_entries,
+                 lambda: kv_write_args(16, 512, 16, 64, V4_MAIN, values_dtype=torch.bfloat16, device="cpu"),
+                 id="kv-write-main"),
+    pytest.param(kv_insert._norm_rope_insert_kernel, kv_insert.norm_rope_insert,
+                 lambda: kv_insert_args(4096, 512, 64, V4_MAIN, x_dtype=torch.bfloat16, R=16, max_blocks=16, E=64,
+                                        device="cpu"), id="kv-insert-main"),
+    pytest.param(kv_insert._norm_rope_insert_kernel, kv_insert.norm_rope_insert,
+                 lambda: kv_insert_args(4096, 128, 64, V4_INDEX, x_dtype=torch.bfloat16, R=16, max_blocks=16, E=64,
+                                        device="cpu"), id="kv-insert-index"),
+    pytest.param(mhc._mhc_mix_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"),
+                 id="mhc-mix-decode"),
+    pytest.param(mhc._mhc_mix_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1000, 4, 4096, torch.bfloat16, device="cpu"),
+                 id="mhc-mix-prefill"),
+    # SPLITS_P is 2 here, 32 on an H200: mhc_pre splits the n*D axis by the SM count, which it reads on CUDA only
+    pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"),
+                 id="mhc-pre"),
+    pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,
+                 lambda: mhc_post_args(1000, 4, 4096, torch.bfloat16, device="cpu"), id="mhc-post"),
+    pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, device="cpu"), id="route-topk"),
+    pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, hashed=True, device="cpu"),
+                 id="route-hash"),
+    pytest.param(sparse_attn._sparse_attn_kernel, sparse_attn.sparse_attn,
+                 lambda: sparse_attn_args(37, 64, 640, 512, torch.bfloat16, device="cpu"), id="sparse-attn-gathered"),
+    pytest.param(sparse_attn._sparse_attn_kernel, sparse_attn.sparse_attn_cached,
+                 lambda: sparse_attn_cached_args(32, 64, 512, 128, 512, V4_MAIN, torch.bfloat16, E=(64, 64),
+                                                 entries=(4096, 4096), device="cpu"), id="sparse-attn-cached-fp8"),
+    pytest.param(moe_mxfp4._w13_swiglu_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1),
+                 id="moe-w13-decode"),
+    pytest.param(moe_mxfp4._w13_swiglu_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64),
+                 id="moe-w13-batch"),
+    pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-w2-decode"),
+    pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64), id="moe-w2-batch"),
+    pytest.param(moe_mxfp4._sum_k_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-sum-k"),
+]
+
+
+@pytest.mark.parametrize("kernel, launcher, build_args", KERNEL_CASES)
+def test_kernel_compiles_for_hopper(kernel, launcher, build_args):
+    (launch,) = captured_launches(kernel, launcher, *build_args())
+    assert compile_for_hopper(kernel, *launch).metadata.shared <= MAX_SHARED_BYTES
