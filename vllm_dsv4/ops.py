@@ -20,7 +20,8 @@ from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, swiglu_clamped
 from csrc_triton.compressor_ref import state_rows
 
-USE_KERNELS = torch.cuda.is_available() and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
+ON_CUDA = torch.cuda.is_available()
+USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
 # Packed MXFP4 experts: our Triton MoE, or vLLM's Marlin MoE (compat.py ledger 7, opt-in until benchmarked).
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):

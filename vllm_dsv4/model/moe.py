@@ -55,13 +55,15 @@ class Experts(nn.Module):
 
     Dequantised (the CPU path, FP8 or bf16 checkpoints): ``w13`` [E_local, 2I, D] and ``w2``
     [E_local, D, I] in the model dtype; the loader dequantises into them. MXFP4, kept packed when
-    the checkpoint's experts are MXFP4 and ``on_gpu`` (the Triton kernels are in use): ``w13`` uint8
+    the checkpoint's experts are MXFP4 and ``on_gpu`` (also under ``VLLM_DSV4_OPS=reference``, whose
+    MXFP4 reference decodes only the experts a step uses: 6 layers of V4-Flash's experts dequantised
+    to fp32 would be 155 GB): ``w13`` uint8
     [E_local, 2I, D/2] + ``w13_scale`` uint8 [E_local, 2I, D/32], ``w2`` uint8 [E_local, D, I/2] +
     ``w2_scale`` uint8 [E_local, D, I/32], the checkpoint's bytes (the loader copies raw bytes into
     any ``<target>`` with a ``<target>_scale`` beside it), computed by ``ops.moe_experts_mxfp4``.
     """
 
-    def __init__(self, cfg: Dsv4Config, shard: Shard, on_gpu: bool = ops.USE_KERNELS):
+    def __init__(self, cfg: Dsv4Config, shard: Shard, on_gpu: bool = ops.ON_CUDA):
         super().__init__()
         e, i, d = shard.experts_per_rank(cfg.n_routed_experts), cfg.moe_intermediate_size, cfg.hidden_size
         self.packed = on_gpu and cfg.mxfp4_experts
