@@ -7,7 +7,8 @@ path. Same names and signatures either way. Ops without a kernel yet use the ref
 ``block_fp8_gemm(weight, scale)`` binds one loaded FP8 weight to its GEMM: vLLM's block-FP8 kernel
 (compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise. Attention over the
 caches runs FlashMLA's sparse kernel where it applies (attention/flashmla.py, falling back to ours);
-``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere.
+``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` and
+``VLLM_DSV4_OUT_PROJ=fused`` opt into vLLM's Marlin MoE and our fused ``wo_a`` kernel.
 """
 
 import os

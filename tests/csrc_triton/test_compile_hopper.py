@@ -83,7 +83,8 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict):
 
 
 # V4-Flash's wo_a at decode (narrow tiles, FP8 operands widened for mma.sync) and prefill (wgmma on e4m3)
-@pytest.mark.parametrize("tokens, tensor_core_op", [(1, "mma.sync"), (300, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3")])
+@pytest.mark.parametrize("tokens, tensor_core_op",
+                         [(1, "mma.sync"), (300, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3")])
 def test_out_proj_compiles_for_hopper(tokens, tensor_core_op):
     args = out_proj_args(tokens, 64, 512, 64, 8, 1024, torch.bfloat16, device="cpu")
     (launch,) = captured_launches(out_proj._rope_out_proj_kernel, out_proj.rope_out_proj, *args)

@@ -96,8 +96,9 @@ def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_
     On the GPU path, every FP8 128x128-block weight of the official table (loader/checkpoint.py)
     whose shape is whole blocks (the kernels quantise activations in 128-wide groups), except the
     stacked routed experts (moe.py) and MTP; ``wo_a``'s rows are its ``o_groups`` output groups
-    (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an unquantised checkpoint: the loader dequantises every
-    weight not held. Raises ConfigError when tensor parallelism would cut a held weight's blocks.
+    (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an
+    unquantised checkpoint: the loader dequantises every weight not held. Raises ConfigError when
+    tensor parallelism would cut a held weight's blocks.
     """
     if not (on_gpu and cfg.quantized):
         return {}

@@ -57,9 +57,9 @@ class Experts(nn.Module):
     [E_local, D, I] in the model dtype; the loader dequantises into them. MXFP4, kept packed when
     the checkpoint's experts are MXFP4 and ``on_gpu`` (also under ``VLLM_DSV4_OPS=reference``, whose
     MXFP4 reference decodes only the experts a step uses: 6 layers of V4-Flash's experts dequantised
-    to fp32 would be 155 GB): ``w13`` uint8
-    [E_local, 2I, D/2] + ``w13_scale`` uint8 [E_local, 2I, D/32], ``w2`` uint8 [E_local, D, I/2] +
-    ``w2_scale`` uint8 [E_local, D, I/32], the checkpoint's bytes (the loader copies raw bytes into
+    to fp32 would be 155 GB): ``w13`` uint8 [E_local, 2I, D/2] + ``w13_scale`` uint8
+    [E_local, 2I, D/32], ``w2`` uint8 [E_local, D, I/2] + ``w2_scale`` uint8 [E_local, D, I/32], the
+    checkpoint's bytes (the loader copies raw bytes into
     any ``<target>`` with a ``<target>_scale`` beside it), computed by ``ops.moe_experts_mxfp4``.
     """
 
