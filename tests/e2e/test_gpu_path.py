@@ -148,7 +148,9 @@ def flash_ckpt(tmp_path_factory, make_checkpoint_module):
 
 def test_flash_dims_gpu_path_matches_reference_path(tmp_path_factory, flash_ckpt):
     """The same comparison at V4-Flash layer dimensions (64 heads of 512, 129k vocabulary, 256 experts,
-    top-512 indexer) on top-FLASH_TOP_K log-probs: the full vocabulary would be 16 x 512 x 129k values."""
+    top-512 indexer) on top-FLASH_TOP_K log-probs (the full vocabulary would be 16 x 512 x 129k values),
+    with the ktiny criteria: the FP8 error argument does not depend on the dimensions, but no run has
+    yet measured where this model's numbers fall."""
     prompts = make_prompts(PROMPT_LENS, seed=4, vocab=100_000)
     engine = dict(ENGINE, gpu_memory_utilization=0.6)
     batches = [{"prompts": prompts, "logprobs": FLASH_TOP_K, "prompt_logprobs": False},
