@@ -7,7 +7,11 @@ from tests/csrc_triton/kernel_cases.py, the same builders the kernel tests use. 
 the op must move (the ``*_bytes`` helpers there), so the % column is a roofline fraction for the
 kernel line; the reference line is timed on the same bytes for comparison. Each case first checks the
 kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
-Skips (exit 0) without CUDA. vLLM's in-tree ops are not timed here yet.
+Skips (exit 0) without CUDA. Where the model can run another GPU implementation of an op (wo_a: the
+inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, the default, against our fused kernel;
+routed experts: vLLM's Marlin MXFP4 MoE against ours), that is timed too, built as the model builds it
+under the vLLM config a worker loading DeepSeek-V4 has: which one the model should default to is
+this table's question.
 """
 
 from __future__ import annotations
@@ -95,15 +99,27 @@ def cases() -> list[Case]:
         Case("apply_rope_tail", "kv T=4096 d=512 r=64", lambda: kc.rope_args(4096, (), 512, 64, BF16),
              kc.rope_bytes(4096, 1, 512, BF16)),
     ]
+    # wo_a (64 heads of 512 into 8 groups of 1024) and the routed experts (256 of D=4096, I=2048, top-6),
+    # at decode batches and a prefill chunk: the two ops whose production path is still open (module doc)
+    rows += [Case("rope_out_proj", f"T={T} H=64 d=512 G=8 R=1024",
+                  lambda T=T: kc.out_proj_args(T, 64, 512, 64, 8, 1024, BF16), kc.out_proj_bytes(T, 64, 512, 8, 1024, BF16))
+             for T in (1, 16, 64, 1024, 8192)]
+    rows += [Case("moe_experts_mxfp4", f"T={T} E=256 k=6 D=4096 I=2048",
+                  lambda T=T: kc.moe_mxfp4_args(T, 4096, 2048, 256, 6, BF16, p_skip=0.0),
+                  kc.moe_mxfp4_bytes(T, 4096, 2048, 256, 6, BF16))
+             for T in (1, 16, 64, 8192)]
     return rows
 
 
 def implementations(op: str) -> tuple[Callable, Callable]:
     """(kernel, reference) of an op."""
-    from csrc_triton import (compressor, compressor_ref, indexer_ref, indexer_topk, mhc, mhc_ref, rope, rope_ref,
-                             routing, routing_ref, sparse_attn, sparse_attn_ref)
+    from csrc_triton import (compressor, compressor_ref, indexer_ref, indexer_topk, mhc, mhc_ref, moe_mxfp4,
+                             moe_mxfp4_ref, out_proj, out_proj_ref, rope, rope_ref, routing, routing_ref, sparse_attn,
+                             sparse_attn_ref)
 
     return {
+        "rope_out_proj": (out_proj.rope_out_proj, out_proj_ref.rope_out_proj),
+        "moe_experts_mxfp4": (moe_mxfp4.moe_experts_mxfp4, moe_mxfp4_ref.moe_experts_mxfp4),
         "sparse_attn": (sparse_attn.sparse_attn, sparse_attn_ref.sparse_attn),
         "sparse_attn_cached": (sparse_attn.sparse_attn_cached, sparse_attn_ref.sparse_attn_cached),
         "mhc_pre": (mhc.mhc_pre, mhc_ref.mhc_pre),
@@ -113,6 +129,30 @@ def implementations(op: str) -> tuple[Callable, Callable]:
         "route": (routing.route, routing_ref.route),
         "apply_rope_tail": (rope.apply_rope_tail, rope_ref.apply_rope_tail),
     }[op]
+
+
+def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
+    """The other GPU implementations of an op the model can run (``ops.OUT_PROJ``, ``ops.MOE_BACKEND``),
+    bound to this case's inputs, built as the model builds them (call under vLLM's current config)."""
+    if op == "rope_out_proj":  # the default: inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group
+        from csrc_triton.rope import apply_rope_tail
+        from vllm_dsv4.model.layers import Linear
+
+        o, positions, inv_freq, weight, weight_scale, groups = inputs
+        linear = Linear(weight.shape[1], weight.shape[0]).to(o.device)
+        linear.hold_fp8(groups)
+        linear.weight.data.copy_(weight)
+        linear.weight_scale.data.copy_(weight_scale)
+        linear.finish_loading()
+        derotate = lambda: apply_rope_tail(o, positions, inv_freq, inverse=True).reshape(o.shape[0], groups, -1)  # noqa: E731
+        return {"grouped": lambda: linear.grouped(derotate()).flatten(1)}
+    if op == "moe_experts_mxfp4":  # vLLM's Marlin MXFP4 MoE, the weights repacked once
+        from vllm_dsv4 import compat
+
+        x, weights, ids, w13, w13_scale, w2, w2_scale, limit = inputs
+        marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
+        return {"marlin": lambda: marlin(x, weights, ids)}
+    return {}
 
 
 def max_abs_diff(op: str, a, b) -> float:
@@ -135,25 +175,41 @@ def main() -> None:
         return
     from triton.testing import do_bench
 
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+
+    from tests.conftest import load_make_checkpoint
+    from tests.csrc_triton.kernel_cases import vllm_config_for
+
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; % of {HBM_PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
     header = f"{'op':<18} {'case':<46} {'impl':<7} {'µs':>9} {'GB/s':>8} {'%peak':>6} {'x ref':>6}  max|diff|"
     print(header)
     print("-" * len(header))
-    for case in cases():
-        if args.op and case.op != args.op:
-            continue
-        kernel, ref = implementations(case.op)
-        inputs = case.build()
-        diff = max_abs_diff(case.op, kernel(*inputs), ref(*inputs))
-        times = {name: do_bench(lambda f=f: f(*inputs), warmup=25, rep=args.rep, return_mode="median")
-                 for name, f in (("triton", kernel), ("ref", ref))}
-        for name, ms in times.items():
-            gbs = case.bytes_moved / (ms * 1e-3) / 1e9
-            print(f"{case.op:<18} {case.label:<46} {name:<7} {ms * 1e3:9.1f} {gbs:8.0f} "
-                  f"{100 * gbs * 1e9 / HBM_PEAK_BYTES_PER_S:5.1f}% {times['ref'] / ms:6.2f}"
-                  + (f"  {diff:.2e}" if name == "triton" else ""))
-        del inputs
-        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:  # vLLM's kernel choice reads a DeepSeek-V4 model config
+        config = vllm_config_for(load_make_checkpoint().make_checkpoint(tmp, "tiny", quantized=True))
+        with set_current_vllm_config(config):
+            for case in cases():
+                if args.op and case.op != args.op:
+                    continue
+                run_case(case, args.rep, do_bench)
+
+
+def run_case(case: Case, rep: int, do_bench) -> None:
+    """Time the kernel, the reference and any alternative on one case's inputs; print a row each."""
+    kernel, ref = implementations(case.op)
+    inputs = case.build()
+    expected = ref(*inputs)
+    impls = {"triton": lambda: kernel(*inputs), "ref": lambda: ref(*inputs)} | alternatives(case.op, inputs)
+    diffs = {name: max_abs_diff(case.op, f(), expected) for name, f in impls.items() if name != "ref"}
+    times = {name: do_bench(f, warmup=25, rep=rep, return_mode="median") for name, f in impls.items()}
+    for name, ms in times.items():
+        gbs = case.bytes_moved / (ms * 1e-3) / 1e9
+        print(f"{case.op:<18} {case.label:<46} {name:<7} {ms * 1e3:9.1f} {gbs:8.0f} "
+              f"{100 * gbs * 1e9 / HBM_PEAK_BYTES_PER_S:5.1f}% {times['ref'] / ms:6.2f}"
+              + (f"  {diffs[name]:.2e}" if name in diffs else ""))
+    del inputs, expected
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

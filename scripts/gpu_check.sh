@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager
+#   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
+#                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel (VLLM_DSV4_OUT_PROJ=fused)
@@ -41,6 +43,8 @@ case "${1:-unit}" in
   graphs)
     timeout 560 python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
+  bench-kernels)  # per-op table; wo_a and the experts against the other implementation the model can run
+    timeout 560 python scripts/bench_kernels.py > "$LOG_DIR/bench_kernels.log" 2>&1; tail -45 "$LOG_DIR/bench_kernels.log" ;;
   bench-plugin | bench-intree)
     engine=${1#bench-}
     flash_checkpoint

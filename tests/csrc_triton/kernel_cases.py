@@ -364,6 +364,25 @@ def out_proj_args(T: int, H: int, d: int, r: int, G: int, R: int, dtype=torch.fl
     return o, positions, inv_freq, q.to(device), scale.to(device), G
 
 
+def out_proj_bytes(T: int, H: int, d: int, G: int, R: int, dtype: torch.dtype) -> int:
+    """The FP8 weight and its block scales once, the attention output in, the projection out."""
+    e = torch.finfo(dtype).bits // 8
+    K = H // G * d
+    return G * R * K + 4 * (G * R // 128) * (K // 128) + T * H * d * e + T * G * R * e
+
+
+def vllm_config_for(checkpoint) -> object:
+    """What a vLLM worker has current while it loads this DeepSeek-V4 checkpoint: a VllmConfig with
+    its model config (vLLM's block-FP8 kernel choice reads the model type; DeepGEMM needs it)."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from vllm_dsv4 import plugin
+
+    plugin.register()
+    return VllmConfig(model_config=ModelConfig(model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16",
+                                               max_model_len=4096))
+
+
 def rope_bytes(T: int, M: int, d: int, dtype: torch.dtype) -> int:
     e = torch.finfo(dtype).bits // 8
     return 2 * T * M * d * e + 8 * T

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from csrc_triton.fp8_linear_ref import FP8_MAX, GROUP, dequant_act, dequant_weight, fp8_linear, quant_act_fp8
+from tests.csrc_triton.kernel_cases import vllm_config_for
 from tests.loader.test_load import empty_params, stream
 from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.loader.checkpoint import Checkpoint, expected_tensors, scale_name
@@ -332,7 +333,7 @@ def test_vllm_kernel_base_runs_on_compat_layer(tiny_ckpt, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # vLLM quantises with its platform's op
     w, s = fp8_weight(384, 1024, seed=17, device=device)
     x = activations(7, 1024, seed=18, device=device)
-    with set_current_vllm_config(_vllm_config(tiny_ckpt)):
+    with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
         gemm = compat.block_fp8_gemm(w.clone(), s.clone())
         y = gemm(x)
     assert gemm.kernel == "TorchBlockKernel" and y.dtype == torch.bfloat16
@@ -342,24 +343,12 @@ def test_vllm_kernel_base_runs_on_compat_layer(tiny_ckpt, monkeypatch):
 # ---- GPU: vLLM's kernels -----------------------------------------------------------------------------
 
 
-def _vllm_config(tiny_ckpt):
-    """What the worker has current while it loads: a VllmConfig with the DSV4 model config (vLLM's
-    DeepGEMM kernel reads the model type from it)."""
-    from vllm.config import ModelConfig, VllmConfig
-
-    from vllm_dsv4 import plugin
-
-    plugin.register()
-    return VllmConfig(model_config=ModelConfig(model=str(tiny_ckpt), skip_tokenizer_init=True, dtype="bfloat16",
-                                               max_model_len=4096))
-
-
 @pytest.fixture(scope="module")
 def vllm_context(tiny_ckpt):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     try:
-        config = _vllm_config(tiny_ckpt)
+        config = vllm_config_for(tiny_ckpt)
     except Exception as e:  # the kernels still run; DeepGEMM is then not selectable
         warnings.warn(f"no model config for kernel selection ({e!r}); vLLM picks without DeepGEMM")
         config = VllmConfig()
@@ -433,7 +422,7 @@ def test_vllm_picks_its_own_block_fp8_kernel_not_our_fallback(tiny_ckpt):
 
     from vllm_dsv4.compat import block_fp8_gemm
 
-    with set_current_vllm_config(_vllm_config(tiny_ckpt)):
+    with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
         gemm = block_fp8_gemm(*fp8_weight(*FLASH_SHAPES["wq_a"], seed=15, device="cuda"))
     print(f"block-FP8 kernel for wq_a on {torch.cuda.get_device_name()}: {gemm.kernel}")
     assert gemm.kernel != "triton"
