@@ -79,11 +79,12 @@ def moe_experts_mxfp4(
     E = w13.shape[0]
     ids = torch.where((ids >= 0) & (ids < E), ids.long(), E)  # [T, k] anything else is skipped too
     hit = torch.unique(ids[ids < E])  # [H] sorted local ids
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
+    xf = x.float()
+    out = torch.zeros_like(xf)  # [T, D]
     for group in hit.split(DECODE_GROUP):  # bounded fp32 copies: 256 V4-Flash experts decode to 26 GB
         compact = torch.full((E + 1,), group.numel(), dtype=torch.long, device=ids.device)  # others -> skip id
         compact[group] = torch.arange(group.numel(), device=ids.device)
         w13_f = decode_mxfp4(w13[group], w13_scale[group])  # [G, 2I, D]
         w2_f = decode_mxfp4(w2[group], w2_scale[group])  # [G, D, I]
-        out += moe_experts(x.float(), weights, compact[ids], w13_f, w2_f, swiglu_limit)
+        out += moe_experts(xf, weights, compact[ids], w13_f, w2_f, swiglu_limit)
     return out.to(x.dtype)

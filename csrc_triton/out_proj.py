@@ -5,17 +5,19 @@ The unfused path runs the rope kernel, a transpose, then per group vLLM's activa
 block-FP8 GEMM: about 20 launches per layer. Opt-in (``VLLM_DSV4_OUT_PROJ=fused``): its first
 version, which computed cos / sin in every output block, took 109 us at 1 token and 21.7 ms at 8,192
 on the H200 for V4-Flash's wo_a (33.5 MB of FP8 weight: 7 us of HBM time), far from the GEMMs it
-replaces; this one is not yet measured. Here one
-program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group: per 128-wide K block it loads
-the attention output (and each channel's rope partner ``c ^ 1``), de-rotates the tail channels in
-fp32 with the per-token cos / sin the launcher computes as the reference does, rounds to o's dtype as
-the unfused path stores it, quantises each token's 128 values to e4m3
-with scale ``amax / 448``, and accumulates the FP8 tensor-core product scaled by the activation and
-weight block scales. A 128-block never straddles two heads (``d % 128 == 0``), so the group's K
-blocks walk its heads in order.
+replaces; this one is not yet measured.
+
+One program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group. Per 128-wide K block it
+loads the attention output, splits it into its interleaved rope pairs in registers and de-rotates
+them with the per-token cos / sin the launcher computes as the reference does (loaded once per
+program; cos 1, sin 0 outside the tail, which leaves those values unchanged), rounds to o's dtype as
+the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax / 448``, and
+accumulates the FP8 tensor-core product scaled by the activation and weight block scales. A 128-block
+never straddles two heads (``d % 128 == 0``) and the rope tail lies in a head's last block
+(``rope_dim <= 128``), so the group's K blocks walk its heads in order.
 
 Bytes per call: ``G*R*K`` FP8 weight (the decode cost) + ``4 G*R*K / 128^2`` scales + ``2 T H d`` in
-(read twice: the partner load hits the cache) + ``2 T G R`` out.
++ ``2 T G R`` out + ``8 T r/2`` cos / sin.
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def out_proj_args(T: int, H: int, d: int, r: int, G: int, R: int, dtype=torch.fl
     """``(o [T, H, d], positions [T], inv_freq [r/2], weight e4m3 [G*R, H/G*d], weight_scale fp32
     [G*R/128, H/G*d/128], G)``: a block-FP8 wo_a drawn so that outputs are of size ~1, block scales
     spread over 2^-2 .. 2^2 so a block read with its neighbour's scale is visibly wrong."""
-    from vllm_dsv4.loader.dequant import quant_fp8_block
+    from vllm_dsv4.loader.dequant import e8m0_to_float32, quant_fp8_block
 
     o, positions, inv_freq, _ = rope_args(T, (H,), d, r, dtype, seed=seed, device=device)
     g = _gen(seed + 1)
@@ -360,8 +360,7 @@ def out_proj_args(T: int, H: int, d: int, r: int, G: int, R: int, dtype=torch.fl
     spread = torch.exp2(torch.randint(-2, 3, (G * R // 128, K // 128), generator=g).float())
     weight = weight * spread.repeat_interleave(128, 0).repeat_interleave(128, 1)
     q, e8m0 = quant_fp8_block(weight)
-    scale = torch.exp2(e8m0.view(torch.uint8).float() - 127)
-    return o, positions, inv_freq, q.to(device), scale.to(device), G
+    return o, positions, inv_freq, q.to(device), e8m0_to_float32(e8m0).to(device), G
 
 
 def out_proj_bytes(T: int, H: int, d: int, G: int, R: int, dtype: torch.dtype) -> int:
