@@ -12,7 +12,8 @@ plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming ev
   * prefill tok/s at 8k and 32k tokens (one prompt, 1 output token);
   * KV-cache bytes, token capacity (vLLM's own max concurrency at ``max_model_len`` times
     ``max_model_len``, the same formula for both engines) and bytes per token;
-  * with ``--profile-decode``, the kernels that dominate a decode step (torch profiler table).
+  * with ``--profile``, the kernels that dominate 16 decode steps at batch 16 and an 8k-token
+    prefill (torch profiler tables).
 vLLM 0.26's in-tree model applies YaRN to window-only layers (fixed in 0.32): compare speed, not outputs.
 """
 
@@ -96,27 +97,38 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
         seconds = timed_generate(llm, prompts(1, length, length, vocab), 1)
         result[f"prefill_tok_s_{length}"] = length / seconds
         print(f"[{name}] prefill {length}: {length / seconds:.0f} tok/s", flush=True)
-    if profile_path:
-        profile_decode(llm, prompts(16, PROMPT_LEN, 16, vocab), profile_path)
+    if profile_path:  # 16 decode steps of 16 requests; one 8k-token prefill
+        profile_steps(llm, prompts(16, PROMPT_LEN, 16, vocab), 17, profile_path.with_suffix(".decode.txt"))
+        profile_steps(llm, prompts(1, 8192, 8192, vocab), 1, profile_path.with_suffix(".prefill.txt"))
     return result
 
 
-def profile_decode(llm, batch, path: Path) -> Path | None:
-    """Which kernels dominate decode: CUDA kernels of a batch of 16 1k-token prompts decoding 16
-    tokens (the one prefill step is in the table too), sorted by device time, written to ``path``."""
+def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
+    """Which kernels dominate a step: the CUDA kernels (CPU ops without CUDA) of the engine steps
+    after every request of ``batch`` has its first token (decode), or of all its steps (prefill,
+    ``max_tokens=1``), sorted by time and written to ``path`` with the number of steps profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
-    if not torch.cuda.is_available():
-        print("decode profile: needs CUDA (kernel times); skipped", flush=True)
-        return None
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
-    llm.generate(batch, params, use_tqdm=False)  # warm-up
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(batch, params, use_tqdm=False)
-    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
-    print(f"decode profile -> {path}", flush=True)
+    cuda = torch.cuda.is_available()
+    params = lambda: SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)  # noqa: E731
+    llm.generate(batch, params(), use_tqdm=False)  # warm-up of these shapes (LLM makes its params final-output-only)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"profile-{path.stem}-{i}", prompt, params())
+    steps = 0
+    if max_tokens > 1:  # decode: run the prefill steps outside the profile
+        produced = set()
+        while len(produced) < len(batch):
+            produced.update(out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    table = prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=45)
+    path.write_text(f"{len(batch)} requests, {steps} engine steps profiled\n{table}")
+    print(f"profile -> {path} ({steps} steps)", flush=True)
     return path
 
 
@@ -153,14 +165,14 @@ def main() -> int:
     ap.add_argument("--report", nargs="+", type=Path, help="print the table of saved runs and exit")
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
-    ap.add_argument("--profile-decode", action="store_true",
-                    help="also write a torch-profiler kernel table of a decode run next to --out")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write torch-profiler kernel tables of decode and prefill steps next to --out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:  # one engine, in this process
         ints = lambda csv: tuple(int(v) for v in csv.split(","))  # noqa: E731
-        profile_path = args.out.with_suffix(".profile.txt") if args.profile_decode else None
+        profile_path = args.out.with_suffix(".profile") if args.profile else None
         result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
                             ints(args.decode_batches), ints(args.prefill_lens), profile_path)
         args.out.write_text(json.dumps(result, indent=2))
@@ -182,7 +194,7 @@ def main() -> int:
                "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens]
-        cmd += ["--profile-decode"] if args.profile_decode else []
+        cmd += ["--profile"] if args.profile else []
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"[{name}] engine run failed", file=sys.stderr)
             continue
