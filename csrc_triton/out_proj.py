@@ -2,16 +2,17 @@
 Triton kernel (dsv4_architecture.md §5.6; semantics and oracle: out_proj_ref.rope_out_proj).
 
 The unfused path runs the rope kernel, a transpose, then per group vLLM's activation quantiser and
-block-FP8 GEMM: about 20 launches per layer. Opt-in (``VLLM_DSV4_OUT_PROJ=fused``): its first
-version, which computed cos / sin in every output block, took 109 us at 1 token and 21.7 ms at 8,192
-on the H200 for V4-Flash's wo_a (33.5 MB of FP8 weight: 7 us of HBM time), far from the GEMMs it
-replaces; this one is not yet measured.
+block-FP8 GEMM: about 20 launches per layer. On the H200 at V4-Flash's wo_a (33.5 MB of FP8 weight:
+7 us of HBM time) this kernel takes 116 / 96 / 130 / 890 / 6,991 us at 1 / 16 / 64 / 1,024 / 8,192
+tokens against the unfused path's 851 / 778 / 1,297 / 1,201 / 2,109 us, so the model runs it for
+steps of up to 1,024 tokens (``ops.OUT_PROJ``); large prefill tiles are far from the GEMMs' speed.
 
 One program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group. Per 128-wide K block it
 loads the attention output, splits it into its interleaved rope pairs in registers and de-rotates
 them with the per-token cos / sin the launcher computes as the reference does (loaded once per
 program; cos 1, sin 0 outside the tail, which leaves those values unchanged), rounds to o's dtype as
-the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax / 448``, and
+the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax / 448`` (IEEE
+divisions and no FMA contraction, so each e4m3 value is the reference's), and
 accumulates the FP8 tensor-core product scaled by the activation and weight block scales. A 128-block
 never straddles two heads (``d % 128 == 0``) and the rope tail lies in a head's last block
 (``rope_dim <= 128``), so the group's K blocks walk its heads in order.
@@ -67,8 +68,10 @@ def _rope_out_proj_kernel(
         x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
         if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
             x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX  # [BM] per-token group scale
-        v = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)  # [BM, BK]
+        # IEEE divisions: the default fp32 '/' is approximate and would move values across e4m3 rounding
+        # boundaries the reference (torch) does not cross
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), FP8_MAX)  # [BM] per-token group scale
+        v = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)  # [BM, BK]
         kw = (k0 + c).to(tl.int64)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + kw[None, :] * s_wk)  # [BN, BK] e4m3, K contiguous
         w_scale = tl.load(ws_ptr + (n // BLOCK_K) * s_sn + (k0 // BLOCK_K) * s_sk)  # [BN]
@@ -110,6 +113,7 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
         T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups,
         *o.stride(), *weight.stride(), *weight_scale.stride(), *out.stride(),
         ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_K=BLOCK_K, DOT_F32=_INTERPRETED, **tiles,
+        enable_fp_fusion=False,  # the rotation rounds each product as the reference does (no FMA contraction)
     )
     return out
 

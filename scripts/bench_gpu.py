@@ -85,7 +85,8 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(decode_batches),
               max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"])
-    result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm))
+    result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm),
+                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")})
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for batch_size in decode_batches:
         batch = prompts(batch_size, PROMPT_LEN, batch_size, vocab)
@@ -112,8 +113,10 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     from vllm import SamplingParams
 
     cuda = torch.cuda.is_available()
-    params = lambda: SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)  # noqa: E731
-    llm.generate(batch, params(), use_tqdm=False)  # warm-up of these shapes (LLM makes its params final-output-only)
+    def params():  # a fresh one per use: LLM.generate makes the params it gets final-output-only
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    llm.generate(batch, params(), use_tqdm=False)  # warm-up of these shapes
     engine = llm.llm_engine
     for i, prompt in enumerate(batch):
         engine.add_request(f"profile-{path.stem}-{i}", prompt, params())
@@ -149,9 +152,12 @@ def report(results: dict[str, dict]) -> str:
     lines = ["| metric | plugin | in-tree | plugin / in-tree |", "| --- | --- | --- | --- |"]
     for key, label, fmt, better in table_rows({k for r in results.values() for k in r}):
         a, b = ours.get(key), theirs.get(key)
-        ratio = f"{a / b:.2f} ({better} is better)" if a is not None and b else "-"
+        ratio = f"{a / b:.2f}" if a is not None and b else "-"
+        ratio += f" ({better} is better)" if better != "-" and ratio != "-" else ""
         cell = lambda v: fmt.format(v) if v is not None else "-"  # noqa: E731
         lines.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
+    if ours.get("env"):
+        lines.append(f"\nplugin settings: {' '.join(f'{k}={v}' for k, v in ours['env'].items())}")
     return "\n".join(lines)
 
 

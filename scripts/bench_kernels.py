@@ -134,7 +134,7 @@ def implementations(op: str) -> tuple[Callable, Callable]:
 def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     """The other GPU implementations of an op the model can run (``ops.OUT_PROJ``, ``ops.MOE_BACKEND``),
     bound to this case's inputs, built as the model builds them (call under vLLM's current config)."""
-    if op == "rope_out_proj":  # the default: inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group
+    if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (auto, > 1,024 tokens)
         from csrc_triton.rope import apply_rope_tail
         from vllm_dsv4.model.layers import Linear
 

@@ -11,7 +11,7 @@
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
-#   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel (VLLM_DSV4_OUT_PROJ=fused)
+#   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 set -o pipefail
@@ -21,7 +21,7 @@ FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
 LIMIT=${STAGE_LIMIT:-560}  # seconds per stage; lower it to fit two stages into one device call
 mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
-summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1

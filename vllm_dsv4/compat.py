@@ -289,7 +289,7 @@ def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.T
 
     Takes ``csrc_triton.moe_mxfp4.moe_experts_mxfp4``'s weights (``w13`` [E, 2I, D/2] codes, gate rows
     first, ``w2`` [E, D, I/2], e8m0 scales per 32 values) and returns ``run(x, weights, ids)`` with that
-    function's semantics: ids outside ``[0, E)`` are skipped (an expert map sends them to -1).
+    function's semantics for ids in ``[0, E]``: id E is skipped (an expert map sends it to -1).
     """
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
@@ -300,12 +300,12 @@ def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.T
     m13, m2, s13, s2, _, _ = prepare_moe_mxfp4_layer_for_marlin(
         SimpleNamespace(params_dtype=torch.bfloat16), w13.view(torch.uint8), w2.view(torch.uint8),
         w13_scale.view(torch.uint8), w2_scale.view(torch.uint8), None, None)
-    # Map slot E (and anything out of range, clamped there) to -1: Marlin skips it.
+    # Map slot E (moe.Experts' id for another rank's expert) to -1: Marlin skips it.
     expert_map = torch.cat([torch.arange(num_experts, dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)])
     expert_map = expert_map.to(w13.device)
 
     def run(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(torch.int32)
+        ids = ids.to(torch.int32)
         out = fused_marlin_moe(x.to(torch.bfloat16).contiguous(), m13, m2, None, None, s13, s2, weights.float(), ids,
                                quant_type_id=scalar_types.float4_e2m1f.id, global_num_experts=num_experts + 1,
                                activation=MoEActivation.SILU, expert_map=expert_map, clamp_limit=float(swiglu_limit))

@@ -7,8 +7,8 @@ path. Same names and signatures either way. Ops without a kernel yet use the ref
 ``block_fp8_gemm(weight, scale)`` binds one loaded FP8 weight to its GEMM: vLLM's block-FP8 kernel
 (compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise. Attention over the
 caches runs FlashMLA's sparse kernel where it applies (attention/flashmla.py, falling back to ours);
-``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` and
-``VLLM_DSV4_OUT_PROJ=fused`` opt into vLLM's Marlin MoE and our fused ``wo_a`` kernel.
+``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` opts into vLLM's
+Marlin MoE; ``VLLM_DSV4_OUT_PROJ`` picks ``wo_a``'s path (``auto``: by step size).
 """
 
 import os
@@ -27,11 +27,14 @@ USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "referenc
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):
     raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
-# wo_a with FP8 weights: the rope kernel then vLLM's block-FP8 GEMM per head group, or our fused kernel
-# (csrc_triton/out_proj.py; opt-in: on the H200 it is slower so far, 2026-12-03 in docs/bench).
-OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "grouped") if USE_KERNELS else "reference"
-if OUT_PROJ not in ("grouped", "fused", "reference"):
-    raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'grouped' or 'fused'")
+# wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py), or the rope kernel then vLLM's
+# block-FP8 GEMM per head group; "auto" takes the fused kernel up to OUT_PROJ_FUSED_MAX_TOKENS tokens
+# (on the H200 at V4-Flash's shape: 116 vs 851 us at 1 token, 890 vs 1,201 at 1,024, but 6,991 vs
+# 2,109 at 8,192; docs/bench, 2026-12-03).
+OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "auto") if USE_KERNELS else "reference"
+if OUT_PROJ not in ("auto", "grouped", "fused", "reference"):
+    raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'auto', 'grouped' or 'fused'")
+OUT_PROJ_FUSED_MAX_TOKENS = 1024
 ATTN_BACKEND = os.environ.get("VLLM_DSV4_ATTN", "flashmla") if USE_KERNELS else "reference"
 if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
     raise ValueError(f"VLLM_DSV4_ATTN={ATTN_BACKEND!r}: use 'flashmla' or 'triton'")

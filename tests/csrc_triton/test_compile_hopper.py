@@ -60,7 +60,7 @@ def captured_launches(kernel, launcher, *args) -> list[tuple[tuple, dict]]:
 
 def compile_for_hopper(kernel, args: tuple, kwargs: dict):
     """Compile one captured launch for sm_90 with the launcher's specialisation (module doc)."""
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
     bound = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
     signature, constants, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
@@ -92,6 +92,8 @@ def test_out_proj_compiles_for_hopper(tokens, tensor_core_op):
     assert compiled.metadata.shared <= MAX_SHARED_BYTES
     assert tensor_core_op in compiled.asm["ptx"]
     assert "cp.async" in compiled.asm["ptx"]  # the weight loads are pipelined
+    # quantised as the reference quantises: IEEE divisions, no FMA contraction in the de-rotation
+    assert "div.rn.f32" in compiled.asm["ptx"] and "fma.rn.f32" not in compiled.asm["ptx"]
 
 
 V4_MAIN, V4_INDEX = Fp8Entry(512, 64), Fp8Entry(128, None)  # FP8 cache entries of 584 B, 132 B

@@ -398,6 +398,8 @@ def test_vllm_triton_fallback_matches_the_reference(vllm_context, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, tokens):
+    """Also: binding the groups to vLLM's GEMMs leaves the held bytes as loaded, which is what the
+    fused kernel reads when ``ops.OUT_PROJ`` is ``auto`` (both paths over the same weight)."""
     groups, rank, in_features = WO_A["groups"], WO_A["rank"], WO_A["in_features"]
     w, s = fp8_weight(groups * rank, in_features, seed=13, device="cuda")
     lin = Linear(in_features, groups * rank).cuda()
@@ -405,6 +407,7 @@ def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, token
     lin.weight.data.copy_(w)
     lin.weight_scale.data.copy_(s)
     lin.finish_loading()
+    assert torch.equal(lin.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(lin.weight_scale, s)
     x = activations(tokens * groups, in_features, seed=14, device="cuda").view(tokens, groups, in_features)
     y = lin.grouped(x)
     assert y.shape == (tokens, groups, rank)

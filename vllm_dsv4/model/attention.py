@@ -113,9 +113,10 @@ class Attention(nn.Module):
         return torch.where(entries < num_visible[:, None], entries, -1)
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: the rope
-        kernel, then one GEMM per group, or all in one kernel (``ops.OUT_PROJ``)."""
-        if self.wo_a.weight_scale is not None and ops.OUT_PROJ == "fused":
+        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one
+        kernel, or the rope kernel then one GEMM per group (``ops.OUT_PROJ``)."""
+        fused = ops.OUT_PROJ == "fused" or (ops.OUT_PROJ == "auto" and o.shape[0] <= ops.OUT_PROJ_FUSED_MAX_TOKENS)
+        if self.wo_a.weight_scale is not None and fused:
             return ops.rope_out_proj(o, positions, self.inv_freq, self.wo_a.weight, self.wo_a.weight_scale,
                                      self.groups)
         o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)

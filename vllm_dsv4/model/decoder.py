@@ -9,7 +9,7 @@ from torch import nn
 
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
-from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, hold_fp8_linears
+from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import Experts, MoE
 from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
@@ -72,14 +72,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in fp32 from the (model-dtype) head, as the reference does."""
-        weight = self.head.weight
-        half = weight.dtype in (torch.bfloat16, torch.float16)
-        if hidden_states.is_cuda and half and hidden_states.dtype == weight.dtype:
-            # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the reference's math
-            # without an fp32 copy of the head per step (2 GiB for V4's vocabulary); CUDA only.
-            return torch.mm(hidden_states, weight.t(), out_dtype=torch.float32)
-        return torch.nn.functional.linear(hidden_states.float(), weight.float())
+        """Logits in fp32 from the (model-dtype) head, as the reference does (on CUDA without an fp32
+        copy of the head per step: 2 GiB for V4's vocabulary)."""
+        return fp32_linear(hidden_states, self.head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm_dsv4.loader.load import load_official_weights

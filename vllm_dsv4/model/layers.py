@@ -50,8 +50,11 @@ class Linear(nn.Module):
         self.groups = groups
 
     def finish_loading(self) -> None:
-        """After loading: bind each row group's FP8 weight to its GEMM (which may re-lay it out); for
-        the fused output projection (``ops.OUT_PROJ == "fused"``) grouped rows stay as loaded."""
+        """After loading: bind each row group's FP8 weight to its GEMM; with ``ops.OUT_PROJ == "fused"``
+        grouped rows are left unbound (only the fused kernel reads them). Binding keeps the values of
+        ``weight`` and ``weight_scale``, which the fused kernel reads under ``auto``: the checkpoint's
+        scales are powers of two, so DeepGEMM's UE8M0 re-quantisation changes nothing
+        (tests/model/test_fp8_linear.py checks both paths after binding)."""
         if self.weight_scale is None or (self.groups > 1 and ops.OUT_PROJ == "fused"):
             return
         rows = self.out_features // self.groups
@@ -143,6 +146,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` with fp32 products and accumulation, as the reference's ``F.linear(x.float(), W.float())``
+    (router logits, output logits). On CUDA with x and W both bf16 / fp16, one half-precision GEMM with
+    fp32 output computes exactly that (half x half products are exact in fp32) without fp32 copies of
+    x and W per step."""
+    if x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype:
+        return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return F.linear(x.float(), weight.float())
 
 
 def fp32_param(*shape: int) -> nn.Parameter:

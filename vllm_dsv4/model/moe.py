@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.model.layers import Linear, fp32_param
+from vllm_dsv4.model.layers import Linear, fp32_linear, fp32_param
 from vllm_dsv4.model.parallel import DpGroup, Shard, across_dp
 
 
@@ -28,7 +27,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). Router logits in fp32."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = fp32_linear(x, self.weight)  # [T, E]
         if hasattr(self, "tid2eid"):
             return ops.route(logits, self.top_k, self.scaling, self.renorm, hash_ids=self.tid2eid[input_ids])
         return ops.route(logits, self.top_k, self.scaling, self.renorm, bias=self.bias)
@@ -74,6 +73,7 @@ class Experts(nn.Module):
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
         self.first_expert, self.num_local = shard.first_expert(cfg.n_routed_experts), e
+        self.holds_all = e == cfg.n_routed_experts  # then the router's ids are local ids already
         self.limit = cfg.swiglu_limit
         self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ops.MOE_BACKEND picks it
 
@@ -89,9 +89,12 @@ class Experts(nn.Module):
 
     def forward(self, x, weights, ids):
         """Partial output over this rank's experts: other ranks' picks become the skipped id E_local."""
-        local = ids - self.first_expert
-        mine = (local >= 0) & (local < self.num_local)
-        local = torch.where(mine, local, torch.full_like(local, self.num_local))
+        if self.holds_all:
+            local = ids
+        else:
+            local = ids - self.first_expert
+            mine = (local >= 0) & (local < self.num_local)
+            local = torch.where(mine, local, torch.full_like(local, self.num_local))
         if self.marlin is not None:
             return self.marlin(x, weights, local)
         if self.packed:
