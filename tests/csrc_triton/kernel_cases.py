@@ -568,3 +568,19 @@ def kv_insert_args(N: int, D: int, r: int, fp8=None, raw_dtype=torch.float32, x_
     inv_freq = rope_inv_freq(r, 160000.0, 16, 65536)
     return (x.to(x_dtype).to(device), weight.to(device), 1e-6, positions.to(device), inv_freq.to(device), view, bt,
             req.to(device), entry.to(device), E, fp8)
+
+
+# ------------------------------------------------------------------------------ cache_index
+def cache_index_args(T: int, K: int, R: int = 3, E: int = 4, max_blocks: int = 80, seed: int = 0,
+                     device=DEVICE) -> tuple:
+    """``(block_table, E, req, entries)`` of ``cache_index_ref.global_slots``: a shuffled block table,
+    row 2 padding, row 4 all empty slots, entries uniform over -1 .. the blocks' last."""
+    g = torch.Generator().manual_seed(seed)
+    block_table = torch.randperm(R * max_blocks + 2, generator=g)[: R * max_blocks].view(R, max_blocks).int()
+    req = torch.randint(0, R, (T,), generator=g)
+    if T > 2:
+        req[2] = -1
+    entries = torch.randint(-1, max_blocks * E, (T, K), generator=g)
+    if T > 4:
+        entries[4] = -1
+    return block_table.to(device), E, req.to(device), entries.to(device)

@@ -26,11 +26,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from csrc_triton import (  # noqa: E402
-    compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, out_proj, rope, routing, sparse_attn,
+    cache_index, compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, out_proj, rope, routing, sparse_attn,
 )
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    INTERPRET, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args, kv_write_args,
-    mhc_post_args, mhc_pre_args, moe_mxfp4_args, out_proj_args, rope_args, route_args, sparse_attn_args,
+    INTERPRET, cache_index_args, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
+    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, out_proj_args, rope_args, route_args, sparse_attn_args,
     sparse_attn_cached_args,
 )
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
@@ -160,6 +160,8 @@ KERNEL_CASES = [
     pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-w2-decode"),
     pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64), id="moe-w2-batch"),
     pytest.param(moe_mxfp4._sum_k_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-sum-k"),
+    pytest.param(cache_index._global_slots_kernel, cache_index.global_slots,
+                 lambda: cache_index_args(64, 640, device="cpu") + (128,), id="cache-index"),
 ]
 
 

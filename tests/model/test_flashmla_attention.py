@@ -1,5 +1,5 @@
-"""FlashMLA sparse attention (attention/flashmla.py) against our Triton kernel, its oracle, and the
-slot-to-cache-index mapping against a loop.
+"""FlashMLA sparse attention (attention/flashmla.py) against our Triton kernel, its oracle (its
+slot-to-cache-index mapping: tests/csrc_triton/test_cache_index_kernel.py).
 
 The GPU cases read FP8 caches in FlashMLA's layout as the model fills them (written by the
 reference writer, kv_pack_ref.main_page_parts): V4-Flash C4 and C128 decode, window-only layers,
@@ -20,28 +20,6 @@ from vllm_dsv4.attention import flashmla
 from vllm_dsv4.kv.layout import Fp8Entry
 
 V4 = Fp8Entry(512, 64)
-
-
-def test_global_slots_match_a_loop():
-    g = torch.Generator().manual_seed(0)
-    R, E, max_blocks, T, K = 3, 4, 5, 7, 9
-    block_table = torch.randperm(R * max_blocks + 2, generator=g)[: R * max_blocks].view(R, max_blocks).int()
-    src = CacheSource(torch.empty(0, E, 8), block_table, E, None)
-    req = torch.randint(0, R, (T,), generator=g)
-    req[2] = -1
-    entries = torch.randint(-1, max_blocks * E, (T, K), generator=g)
-    entries[4] = -1
-    index, length = flashmla.global_slots(src, req, entries)
-    assert index.shape == (T, 1, flashmla.SLOT_ALIGN) and index.dtype == length.dtype == torch.int32
-    for t in range(T):
-        want = [-1] * flashmla.SLOT_ALIGN
-        for k in range(K):
-            e = int(entries[t, k])
-            if e >= 0 and req[t] >= 0:
-                want[k] = int(block_table[req[t], e // E]) * E + e % E
-        assert index[t, 0].tolist() == want
-        valid = [k + 1 for k in range(K) if want[k] >= 0]
-        assert int(length[t]) == (max(valid) if valid else 0)
 
 
 def test_unreadable_caches_are_named():

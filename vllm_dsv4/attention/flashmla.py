@@ -5,10 +5,10 @@ window entries then the compressed entries of its request, keys = values, the pe
 denominator. Our FP8 caches already hold FlashMLA's "MODEL1" block layout (kv_pack_ref), so the
 kernel reads the window cache as its ``k_cache`` and the C4 / C128 cache as its ``extra_k_cache``
 as they are; each query becomes one kernel "request" of one token, its slots turned into global
-cache indices (``block * E + offset``, -1 empty). Where the kernel does not apply (no FlashMLA,
-raw caches, ``d != 512``, more than 128 heads, pages not 16-byte aligned) the Triton kernel runs
-(the reason logged once),
-which is also this path's oracle (tests/model/test_flashmla_attention.py).
+cache indices (``block * E + offset``, -1 empty; ``csrc_triton/cache_index.py``). Where the kernel
+does not apply (no FlashMLA, raw caches, ``d != 512``, more than 128 heads, pages not 16-byte
+aligned) the Triton kernel runs (the reason logged once), which is also this path's oracle
+(tests/model/test_flashmla_attention.py).
 
 The kernel takes 64 or 128 query heads: fewer heads are padded with zero queries. Slot lists are
 padded with -1 to a multiple of 128 (its index blocks are 64 wide, 128 on Blackwell's head-128
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from csrc_triton import sparse_attn
+from csrc_triton.cache_index import global_slots
 from csrc_triton.sparse_attn_ref import CacheSource
 from vllm_dsv4 import compat
 
@@ -68,20 +69,10 @@ def _log_fallback(reason: str) -> None:
     logger.info("vllm-dsv4: attention runs the Triton kernel, not FlashMLA: %s", reason)
 
 
-def global_slots(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
-    """``([T, 1, K'] int32 cache indices, [T] int32 lengths)``: entry ``e`` of request ``r`` is index
-    ``block_table[r, e // E] * E + e % E``; -1 where the slot is empty or the row is padding
-    (``req < 0``); ``K'`` is K rounded up to ``SLOT_ALIGN``; a length is one past the last valid slot."""
-    K = entries.shape[1]
-    E = src.entries_per_block
-    valid = (entries >= 0) & (req[:, None] >= 0)  # [T, K]
-    e = entries.clamp(min=0).long()
-    block = src.block_table[req.clamp(min=0).long()[:, None], e // E].long()  # [T, K]
-    index = torch.where(valid, block * E + e % E, -1).to(torch.int32)
-    width = max(SLOT_ALIGN, -(-K // SLOT_ALIGN) * SLOT_ALIGN)
-    index = torch.nn.functional.pad(index, (0, width - K), value=-1)  # [T, K'], K' >= 1
-    position = torch.arange(1, width + 1, device=entries.device, dtype=torch.int32)
-    return index.unsqueeze(1), torch.where(index >= 0, position, 0).amax(-1)
+def _cache_indices(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
+    """``([T, 1, K'] int32 global cache indices, [T] int32 lengths)`` of the slot lists (cache_index.py)."""
+    index, lengths = global_slots(src.block_table, src.entries_per_block, req, entries, SLOT_ALIGN)
+    return index.unsqueeze(1), lengths
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
@@ -104,10 +95,10 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
         q_in[:, 0, :H] = q
         sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
         sink_in[:H] = sink
-    indices, lengths = global_slots(window, req, window_entries)
+    indices, lengths = _cache_indices(window, req, window_entries)
     extra = {}
     if main is not None:
-        extra_indices, extra_lengths = global_slots(main, req, main_entries)
+        extra_indices, extra_lengths = _cache_indices(main, req, main_entries)
         extra = dict(extra_k_cache=main.view.unsqueeze(2), extra_indices_in_kvcache=extra_indices,
                      extra_topk_length=extra_lengths)
     out = torch.empty(T, 1, heads, d, dtype=q.dtype, device=q.device)
