@@ -7,6 +7,10 @@ program per block of ``BLOCK_T`` tokens holds their ``[BLOCK_T, E]`` logits (E =
 
 Bytes: reads ``T * E * 4`` of logits (``T * k`` of them on the hash path) + ``E * 4`` of bias,
 writes ``T * k * 12`` (fp32 weights + int64 ids).
+
+:func:`swiglu_clamped` matches :func:`routing_ref.swiglu_clamped` (the shared expert's activation) in
+one launch instead of the reference's six: per (token, block of channels) it reads the gate and up
+halves, clamps, applies SiLU in fp32 and writes the product. Bytes: ``T * 2I`` in, ``T * I`` out.
 """
 
 from __future__ import annotations
@@ -120,3 +124,28 @@ def route(
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
     )
     return weights, ids
+
+
+@triton.jit
+def _swiglu_kernel(x_ptr, out_ptr, inter, limit, s_xt, s_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < inter
+    gate = tl.load(x_ptr + t * s_xt + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * s_xt + inter + c, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    tl.store(out_ptr + t * s_ot + c, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu_clamped(gate_up: Tensor, limit: float) -> Tensor:
+    """Triton :func:`routing_ref.swiglu_clamped` (same arguments and result; channels contiguous)."""
+    x = gate_up.reshape(-1, gate_up.shape[-1])
+    assert x.shape[-1] % 2 == 0 and x.stride(-1) == 1, (gate_up.shape, gate_up.stride())
+    inter = x.shape[-1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        block = min(1024, triton.next_power_of_2(inter))
+        _swiglu_kernel[(x.shape[0], triton.cdiv(inter, block))](x, out, inter, float(limit), x.stride(0), out.stride(0),
+                                                                BLOCK=block)
+    return out.view(*gate_up.shape[:-1], inter)

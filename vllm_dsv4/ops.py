@@ -18,7 +18,7 @@ import torch
 from csrc_triton.mhc_ref import hc_head
 from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import rope_inv_freq
-from csrc_triton.routing_ref import moe_experts, swiglu_clamped
+from csrc_triton.routing_ref import moe_experts
 from csrc_triton.compressor_ref import state_rows
 
 ON_CUDA = torch.cuda.is_available()
@@ -48,7 +48,7 @@ if USE_KERNELS:
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.out_proj import rope_out_proj
     from csrc_triton.rope import apply_rope_tail
-    from csrc_triton.routing import route
+    from csrc_triton.routing import route, swiglu_clamped
     from vllm_dsv4.compat import block_fp8_gemm
 
     if ATTN_BACKEND == "flashmla":
@@ -65,7 +65,7 @@ else:
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.out_proj_ref import rope_out_proj
     from csrc_triton.rope_ref import apply_rope_tail
-    from csrc_triton.routing_ref import route
+    from csrc_triton.routing_ref import route, swiglu_clamped
     from csrc_triton.sparse_attn_ref import sparse_attn_cached
 
 __all__ = [

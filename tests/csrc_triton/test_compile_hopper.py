@@ -148,6 +148,8 @@ KERNEL_CASES = [
     pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, device="cpu"), id="route-topk"),
     pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, hashed=True, device="cpu"),
                  id="route-hash"),
+    pytest.param(routing._swiglu_kernel, routing.swiglu_clamped,
+                 lambda: (torch.randn(64, 2 * 2048).bfloat16(), 10.0), id="swiglu"),
     pytest.param(sparse_attn._sparse_attn_kernel, sparse_attn.sparse_attn,
                  lambda: sparse_attn_args(37, 64, 640, 512, torch.bfloat16, device="cpu"), id="sparse-attn-gathered"),
     pytest.param(sparse_attn._sparse_attn_kernel, sparse_attn.sparse_attn_cached,

@@ -1,4 +1,4 @@
-"""Triton route against routing_ref (kernel link of the test chain).
+"""Triton route and swiglu_clamped against routing_ref (kernel link of the test chain).
 
 Selection: each row's ids must be *a* top-k of ``s + bias`` (float64, ties within 1e-6 may go either
 way); on fp32 logits (no ties) the id sets equal the reference's. Weights: the reference's hash path
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from csrc_triton.routing import route  # noqa: E402
+from csrc_triton.routing import route, swiglu_clamped  # noqa: E402
 from csrc_triton.routing_ref import route as route_ref  # noqa: E402
+from csrc_triton.routing_ref import swiglu_clamped as swiglu_clamped_ref  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
     DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, assert_valid_topk, route_args,
 )
@@ -59,3 +60,20 @@ def test_route_extreme_logits():
     w_ref, _ = route_ref(logits, 8, 1.0, False, hash_ids=ids)
     assert_close(w, w_ref, torch.float32)
     assert (w > 0).all()
+
+
+# (leading shape, I): one token, a channel block boundary, 3-d input, V4-Flash's shared expert (I = 2048).
+SWIGLU_SHAPES = [((1,), 8), ((5,), 1030), ((2, 3), 16), pytest.param((64,), 2048, marks=GPU),
+                 pytest.param((8192,), 2048, marks=GPU)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("lead, inter", SWIGLU_SHAPES)
+def test_swiglu_clamped_matches_ref(lead, inter, dtype):
+    """Values spread over +-4L, so both clamps and SiLU's both tails are exercised."""
+    from tests.csrc_triton.kernel_cases import DEVICE
+
+    g = torch.Generator().manual_seed(inter)
+    limit = 3.0
+    gate_up = (torch.randn(*lead, 2 * inter, generator=g) * 4 * limit).to(dtype).to(DEVICE)
+    assert_close(swiglu_clamped(gate_up, limit), swiglu_clamped_ref(gate_up, limit), dtype)
