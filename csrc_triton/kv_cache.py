@@ -11,7 +11,8 @@ under the interpreter: e4m3 and bf16 rounding are round-to-nearest-even by hand,
 is ``ceil(log2(amax / 448))`` read off the bits (kv_pack_ref), scaling multiplies by a power of two.
 Decoded values (e4m3 times a power of two, or bf16) are exact in fp32 and bf16 outputs. The encode
 helpers (``_store_e4m3`` ...) also serve kv_insert.py, which writes entries from registers; the decode
-helpers (``_main_values`` ...) sparse_attn.py and indexer_topk.py, which read keys into registers.
+helpers (``_main_values`` ...) sparse_attn.py and indexer_topk.py, which read keys into registers; the
+bf16 rounding (``_round_to_x``, ``_store_values``) also norm.py and rope.py.
 
 Bytes (V4, FP8 main KV, bf16 out): a read moves 584 B in and 1024 B out per entry, plus its entry
 number (8 B) and block-table entry (4 B); a write 1024 B in and 584 B out. The reference moves the
@@ -126,6 +127,14 @@ def _bf16_bits(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, rounded)  # NaN payloads would round into inf or wrap to -0
+
+
+@triton.jit
+def _round_to_x(y, X_BF16: tl.constexpr):
+    """fp32 ``y`` rounded to bf16 (nearest even) when x is bf16: the unfused ops' ``.to(x.dtype)``."""
+    if X_BF16:
+        y = (_bf16_bits(y) << 16).to(tl.float32, bitcast=True)
+    return y
 
 
 @triton.jit

@@ -26,10 +26,10 @@ import triton.language as tl
 from torch import Tensor
 
 from csrc_triton.kv_cache import (
-    _bf16_bits,
     _entry_slots,
     _main_parts,
     _mode,
+    _round_to_x,
     _scale_exponent,
     _store_bf16_bytes,
     _store_e4m3,
@@ -38,14 +38,6 @@ from csrc_triton.kv_cache import (
     _store_values,
 )
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
-
-
-@triton.jit
-def _round_to_x(y, X_BF16: tl.constexpr):
-    """fp32 ``y`` rounded to bf16 (nearest even) when x is bf16: the unfused ops' ``.to(x.dtype)``."""
-    if X_BF16:
-        y = (_bf16_bits(y) << 16).to(tl.float32, bitcast=True)
-    return y
 
 
 @triton.jit

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from csrc_triton.norm_ref import rms_norm
+
 
 def rope_inv_freq(
     rope_dim: int,
@@ -91,3 +93,19 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
     x0, x1 = pairs[..., 0], pairs[..., 1]  # [T, .., r/2] each
     rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)  # [T, .., r]
     return torch.cat([x[..., : x.shape[-1] - r], rotated.to(x.dtype)], dim=-1)  # [T, .., d]
+
+
+def norm_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """The main query's unweighted per-head RMSNorm, then its RoPE tail (§3.1 row 2, §3.2):
+    ``apply_rope_tail(rms_norm(x, None, eps), positions, inv_freq)``, the norm rounded to ``x.dtype``
+    in between.
+
+    Args:
+        x: ``[T, ..., d]``, normed over ``d``.
+        positions, inv_freq: as for :func:`apply_rope_tail`.
+        eps: ``rms_norm_eps``.
+
+    Returns:
+        A new ``[T, ..., d]`` tensor in ``x.dtype``.
+    """
+    return apply_rope_tail(rms_norm(x, None, eps), positions, inv_freq)

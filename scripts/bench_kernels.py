@@ -98,6 +98,14 @@ def cases() -> list[Case]:
              kc.rope_bytes(4096, 64, 512, BF16)),
         Case("apply_rope_tail", "kv T=4096 d=512 r=64", lambda: kc.rope_args(4096, (), 512, 64, BF16),
              kc.rope_bytes(4096, 1, 512, BF16)),
+        Case("norm_rope_tail", "q T=4096 H=64 d=512 r=64", lambda: kc.norm_rope_args(4096, (64,), 512, 64, BF16),
+             kc.rope_bytes(4096, 64, 512, BF16)),
+        Case("rms_norm", "hidden decode T=64 D=4096", lambda: kc.rms_norm_args((64,), 4096, dtype=BF16),
+             kc.rms_norm_bytes(64, 4096, BF16)),
+        Case("rms_norm", "hidden prefill T=8192 D=4096", lambda: kc.rms_norm_args((8192,), 4096, dtype=BF16),
+             kc.rms_norm_bytes(8192, 4096, BF16)),
+        Case("rms_norm", "q latent prefill T=8192 D=1024", lambda: kc.rms_norm_args((8192,), 1024, dtype=BF16),
+             kc.rms_norm_bytes(8192, 1024, BF16)),
     ]
     # wo_a (64 heads of 512 into 8 groups of 1024) and the routed experts (256 of D=4096, I=2048, top-6),
     # at decode batches and a prefill chunk: the two ops whose production path is still open (module doc)
@@ -114,8 +122,8 @@ def cases() -> list[Case]:
 def implementations(op: str) -> tuple[Callable, Callable]:
     """(kernel, reference) of an op."""
     from csrc_triton import (compressor, compressor_ref, indexer_ref, indexer_topk, mhc, mhc_ref, moe_mxfp4,
-                             moe_mxfp4_ref, out_proj, out_proj_ref, rope, rope_ref, routing, routing_ref, sparse_attn,
-                             sparse_attn_ref)
+                             moe_mxfp4_ref, norm, norm_ref, out_proj, out_proj_ref, rope, rope_ref, routing,
+                             routing_ref, sparse_attn, sparse_attn_ref)
 
     return {
         "rope_out_proj": (out_proj.rope_out_proj, out_proj_ref.rope_out_proj),
@@ -128,6 +136,8 @@ def implementations(op: str) -> tuple[Callable, Callable]:
         "indexer_topk": (indexer_topk.indexer_topk, indexer_ref.indexer_topk),
         "route": (routing.route, routing_ref.route),
         "apply_rope_tail": (rope.apply_rope_tail, rope_ref.apply_rope_tail),
+        "norm_rope_tail": (rope.norm_rope_tail, rope_ref.norm_rope_tail),
+        "rms_norm": (norm.rms_norm, norm_ref.rms_norm),
     }[op]
 
 

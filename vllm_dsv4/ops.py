@@ -16,7 +16,6 @@ import os
 import torch
 
 from csrc_triton.mhc_ref import hc_head
-from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts
 from csrc_triton.compressor_ref import state_rows
@@ -46,8 +45,9 @@ if USE_KERNELS:
     from csrc_triton.kv_insert import norm_rope_insert
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
+    from csrc_triton.norm import rms_norm
     from csrc_triton.out_proj import rope_out_proj
-    from csrc_triton.rope import apply_rope_tail
+    from csrc_triton.rope import apply_rope_tail, norm_rope_tail
     from csrc_triton.routing import route, swiglu_clamped
     from vllm_dsv4.compat import block_fp8_gemm
 
@@ -63,8 +63,9 @@ else:
     from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
+    from csrc_triton.norm_ref import rms_norm
     from csrc_triton.out_proj_ref import rope_out_proj
-    from csrc_triton.rope_ref import apply_rope_tail
+    from csrc_triton.rope_ref import apply_rope_tail, norm_rope_tail
     from csrc_triton.routing_ref import route, swiglu_clamped
     from csrc_triton.sparse_attn_ref import sparse_attn_cached
 
@@ -79,6 +80,7 @@ __all__ = [
     "moe_experts",
     "moe_experts_mxfp4",
     "norm_rope_insert",
+    "norm_rope_tail",
     "read_entries",
     "rope_out_proj",
     "rms_norm",

@@ -346,6 +346,26 @@ def rope_args(T: int, mid: tuple, d: int, r: int, dtype=torch.float32, inverse: 
     return x, positions.to(device), inv_freq, inverse
 
 
+def norm_rope_args(T: int, mid: tuple, d: int, r: int, dtype=torch.float32, seed: int = 0, device=DEVICE) -> tuple:
+    """``(x [T, *mid, d], positions [T], inv_freq [r/2], eps)`` of ``rope_ref.norm_rope_tail``: x of
+    :func:`rope_args` with each row (token, head) times ``10^j``, ``j`` in [-3, 3] (eps matters at
+    10^-3), the last row zero where there are two or more (only eps keeps it finite)."""
+    x, positions, inv_freq, _ = rope_args(T, mid, d, r, dtype, seed=seed, device=device)
+    g = _gen(seed + 1)
+    scale = 10.0 ** torch.randint(-3, 4, (T, *mid, 1), generator=g)
+    x = (x.float() * scale.to(device)).to(dtype)
+    if x.numel() > d:
+        x.view(-1, d)[-1] = 0
+    return x, positions, inv_freq, 1e-6
+
+
+def rope_pair_magnitude(normed: Tensor, r: int) -> Tensor:
+    """``[..., d]``: ``|n0| + |n1|`` of the pair each of the last ``r`` channels is rotated from, 0 for
+    the nope channels (how far a rotated value moves when its inputs move by one ulp each)."""
+    pair = normed[..., normed.shape[-1] - r :].abs().unflatten(-1, (r // 2, 2)).sum(-1)  # [..., r/2]
+    return torch.cat([torch.zeros_like(normed[..., : normed.shape[-1] - r]), pair.repeat_interleave(2, -1)], -1)
+
+
 def out_proj_args(T: int, H: int, d: int, r: int, G: int, R: int, dtype=torch.float32, seed: int = 0,
                   device=DEVICE) -> tuple:
     """``(o [T, H, d], positions [T], inv_freq [r/2], weight e4m3 [G*R, H/G*d], weight_scale fp32
@@ -385,6 +405,27 @@ def vllm_config_for(checkpoint) -> object:
 def rope_bytes(T: int, M: int, d: int, dtype: torch.dtype) -> int:
     e = torch.finfo(dtype).bits // 8
     return 2 * T * M * d * e + 8 * T
+
+
+# ------------------------------------------------------------------------------------- norm §3.1
+def rms_norm_args(lead: tuple, D: int, weight_dtype=torch.float32, dtype=torch.float32, seed: int = 0,
+                  device=DEVICE) -> tuple:
+    """``(x [*lead, D], weight [D] or None, eps)`` of ``norm_ref.rms_norm``: rows of normals times
+    ``10^j``, ``j`` in [-3, 3] per row (eps matters at 10^-3), the last row zero where there are two or
+    more (only eps keeps it finite); a weight of normals (both signs) in ``weight_dtype``, None when
+    that is None."""
+    g = _gen(seed)
+    x = torch.randn(*lead, D, generator=g) * 10.0 ** torch.randint(-3, 4, (*lead, 1), generator=g)
+    if x.numel() > D:
+        x.view(-1, D)[-1] = 0
+    weight = None if weight_dtype is None else _randn(g, D, dtype=weight_dtype, device=device)
+    return x.to(dtype).to(device), weight, 1e-6
+
+
+def rms_norm_bytes(N: int, D: int, dtype: torch.dtype) -> int:
+    """x read and y written once, an fp32 weight."""
+    e = torch.finfo(dtype).bits // 8
+    return 2 * N * D * e + 4 * D
 
 
 # ------------------------------------------------------------------------- MXFP4 experts §3.3, §6

@@ -26,12 +26,13 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from csrc_triton import (  # noqa: E402
-    cache_index, compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, out_proj, rope, routing, sparse_attn,
+    cache_index, compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, norm, out_proj, rope, routing,
+    sparse_attn,
 )
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
     INTERPRET, cache_index_args, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
-    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, out_proj_args, rope_args, route_args, sparse_attn_args,
-    sparse_attn_cached_args,
+    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, rms_norm_args,
+    rope_args, route_args, sparse_attn_args, sparse_attn_cached_args,
 )
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
@@ -111,6 +112,12 @@ def v4_flash_experts(T: int) -> tuple:
 KERNEL_CASES = [
     pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,
                  lambda: rope_args(64, (64,), 512, 64, torch.bfloat16, inverse=True, device="cpu"), id="rope"),
+    pytest.param(rope._rope_tail_kernel, rope.norm_rope_tail,
+                 lambda: norm_rope_args(64, (64,), 512, 64, torch.bfloat16, device="cpu"), id="norm-rope"),
+    pytest.param(norm._rms_norm_kernel, norm.rms_norm,
+                 lambda: rms_norm_args((64,), 4096, dtype=torch.bfloat16, device="cpu"), id="rms-norm-hidden"),
+    pytest.param(norm._rms_norm_kernel, norm.rms_norm,
+                 lambda: rms_norm_args((64,), 1024, dtype=torch.bfloat16, device="cpu"), id="rms-norm-q-latent"),
     pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
                  lambda: compress_args(300, 4, 512, True, device="cpu"), id="compress-csa"),
     pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,

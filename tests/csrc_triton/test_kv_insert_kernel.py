@@ -31,7 +31,7 @@ from csrc_triton.kv_insert import norm_rope_insert  # noqa: E402
 from csrc_triton.kv_pack_ref import unpack_index, unpack_main  # noqa: E402
 from csrc_triton.norm_ref import rms_norm  # noqa: E402
 from csrc_triton.rope_ref import apply_rope_tail  # noqa: E402
-from tests.csrc_triton.kernel_cases import SKIP_REASON, entry_parts, kv_insert_args  # noqa: E402
+from tests.csrc_triton.kernel_cases import SKIP_REASON, entry_parts, kv_insert_args, rope_pair_magnitude  # noqa: E402
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
 KERNEL = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -78,13 +78,6 @@ def _decode(slots: torch.Tensor, fp8) -> torch.Tensor:
     return unpack_main(slots, fp8.value_dim, fp8.rope_dim, torch.float32).double()
 
 
-def _pair_magnitude(normed: torch.Tensor, r: int) -> torch.Tensor:
-    """``[M, D]``: ``|n0| + |n1|`` of the pair each rope channel is rotated from, 0 for nope channels."""
-    M, D = normed.shape
-    pair = normed[:, D - r :].abs().unflatten(-1, (r // 2, 2)).sum(-1).repeat_interleave(2, -1)  # [M, r]
-    return torch.cat([torch.zeros(M, D - r, dtype=pair.dtype), pair], -1)
-
-
 def assert_insert_matches_ref(build) -> None:
     """The kernel and the reference on ``build()``'s arguments: bytes outside the written entries
     untouched, written entries within the module's bounds."""
@@ -100,7 +93,7 @@ def assert_insert_matches_ref(build) -> None:
     normed = rms_norm(x[keep], weight, eps).double().cpu()  # [M, D], the reference's normed values
     rounded = fp8 is not None or torch.bfloat16 in (x.dtype, view.dtype)
     u = (2**-7 if torch.bfloat16 in (x.dtype, view.dtype) else 0.0) + 2**-18
-    bound = u * (torch.maximum(o.abs(), f.abs()) + _pair_magnitude(normed, 2 * inv_freq.numel()))
+    bound = u * (torch.maximum(o.abs(), f.abs()) + rope_pair_magnitude(normed, 2 * inv_freq.numel()))
     if fp8 is not None:
         amax = f.abs().amax(-1, keepdim=True).clamp(min=1e-4)
         bound += 2**-3 * (o.abs() + f.abs()) + 2**-16 * amax

@@ -79,7 +79,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
-        q = ops.apply_rope_tail(ops.rms_norm(q, None, self.eps), positions, self.inv_freq)  # [T, H, d]
+        q = ops.norm_rope_tail(q, positions, self.inv_freq, self.eps)  # [T, H, d], per-head norm then RoPE
         req = md.token_to_req  # [T], -1 for padding
         self.swa_cache.insert(md, self.wkv(x), self.kv_norm, positions, self.inv_freq, req, positions)
         main = None
