@@ -7,6 +7,11 @@ channels) holds the ``[S, BLOCK_D]`` values and scores in registers (S = 8 for C
 
 Bytes: reads ``N * S * 2 * d * 4`` of the fp32 rows (only the half of each CSA row that the entry uses)
 + the mask, writes ``N * d * 4``.
+
+:func:`write_state_rows` matches :func:`compressor_ref.write_state_rows`: each token's state row
+``[a | z + ape[p mod m]]`` built and stored through the block table in one launch (the reference
+builds the row in fp32 temporaries, then scatters it). One program per (token, block of channels).
+Bytes: reads ``2 T c d`` projections (model dtype) + ``4 T c d`` of ``ape``, writes ``8 T c d``.
 """
 
 from __future__ import annotations
@@ -77,3 +82,42 @@ def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tens
         OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d,
     )
     return out
+
+
+@triton.jit
+def _write_state_kernel(
+    view_ptr, bt_ptr, req_ptr, pos_ptr, kv_ptr, gate_ptr, ape_ptr,
+    W, E, ratio,
+    s_v0, s_v1, s_v2, s_b0, s_b1, s_kt, s_gt, s_at,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [B] channel of each half
+    r = tl.load(req_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    ok = (c < W) & (tl.zeros_like(c) + r >= 0)  # padding rows (r < 0) store nothing
+    block = tl.load(bt_ptr + tl.maximum(r, 0) * s_b0 + (p // E) * s_b1).to(tl.int64)
+    kv = tl.load(kv_ptr + t * s_kt + c, mask=ok, other=0.0).to(tl.float32)
+    score = tl.load(gate_ptr + t * s_gt + c, mask=ok, other=0.0).to(tl.float32)
+    score += tl.load(ape_ptr + (p % ratio) * s_at + c, mask=ok, other=0.0)
+    row = view_ptr + block * s_v0 + (p % E) * s_v1
+    tl.store(row + c * s_v2, kv, mask=ok)
+    tl.store(row + (W + c) * s_v2, score, mask=ok)
+
+
+def write_state_rows(view: Tensor, block_table: Tensor, req: Tensor, positions: Tensor, entries_per_block: int,
+                     kv_proj: Tensor, gate_proj: Tensor, ape: Tensor) -> None:
+    """Triton :func:`compressor_ref.write_state_rows` (same arguments; projections' channels contiguous)."""
+    T, W = kv_proj.shape
+    assert gate_proj.shape == (T, W) and ape.shape[1] == W and view.shape[-1] == 2 * W, (
+        kv_proj.shape, gate_proj.shape, ape.shape, view.shape)
+    assert view.dtype == ape.dtype == torch.float32 and kv_proj.stride(1) == gate_proj.stride(1) == ape.stride(1) == 1
+    if T == 0:
+        return
+    block = min(1024, triton.next_power_of_2(W))
+    _write_state_kernel[(T, triton.cdiv(W, block))](
+        view, block_table, req, positions, kv_proj, gate_proj, ape,
+        W, entries_per_block, ape.shape[0],
+        *view.stride(), *block_table.stride(), kv_proj.stride(0), gate_proj.stride(0), ape.stride(0),
+        BLOCK=block,
+    )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from csrc_triton.kv_cache_ref import write_entries
+
 
 def state_rows(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, positions: Tensor) -> Tensor:
     """Build the per-token state rows ``[a | z + ape[p mod m]]`` (§5.4).
@@ -28,6 +30,15 @@ def state_rows(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, positions: Tenso
     ratio = ape.shape[0]
     score = gate_proj.float() + ape.float()[positions % ratio]  # [T, c*d]
     return torch.cat([kv_proj.float(), score], dim=-1)  # [T, 2*c*d]
+
+
+def write_state_rows(view: Tensor, block_table: Tensor, req: Tensor, positions: Tensor, entries_per_block: int,
+                     kv_proj: Tensor, gate_proj: Tensor, ape: Tensor) -> None:
+    """Store each token's :func:`state_rows` row as entry ``positions[t]`` of request ``req[t]`` of a
+    state cache (``view`` ``[num_blocks, E, 2*c*d]`` fp32, ``kv_cache_ref.write_entries``' addressing);
+    rows with ``req < 0`` (padding) are not written."""
+    write_entries(view, block_table, req, positions, entries_per_block, state_rows(kv_proj, gate_proj, ape, positions),
+                  None)
 
 
 def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tensor:

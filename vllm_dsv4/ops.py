@@ -18,7 +18,6 @@ import torch
 from csrc_triton.mhc_ref import hc_head
 from csrc_triton.rope_ref import rope_inv_freq
 from csrc_triton.routing_ref import moe_experts
-from csrc_triton.compressor_ref import state_rows
 
 ON_CUDA = torch.cuda.is_available()
 USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
@@ -39,9 +38,9 @@ if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
     raise ValueError(f"VLLM_DSV4_ATTN={ATTN_BACKEND!r}: use 'flashmla' or 'triton'")
 
 if USE_KERNELS:
-    from csrc_triton.compressor import compress_windows
+    from csrc_triton.compressor import compress_windows, write_state_rows
     from csrc_triton.indexer_topk import indexer_topk_paged
-    from csrc_triton.kv_cache import read_entries, write_entries
+    from csrc_triton.kv_cache import read_entries
     from csrc_triton.kv_insert import norm_rope_insert
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
@@ -56,10 +55,10 @@ if USE_KERNELS:
     else:
         from csrc_triton.sparse_attn import sparse_attn_cached
 else:
-    from csrc_triton.compressor_ref import compress_windows
+    from csrc_triton.compressor_ref import compress_windows, write_state_rows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm
     from csrc_triton.indexer_ref import indexer_topk_paged
-    from csrc_triton.kv_cache_ref import read_entries, write_entries
+    from csrc_triton.kv_cache_ref import read_entries
     from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
@@ -87,7 +86,6 @@ __all__ = [
     "rope_inv_freq",
     "route",
     "sparse_attn_cached",
-    "state_rows",
     "swiglu_clamped",
-    "write_entries",
+    "write_state_rows",
 ]

@@ -625,3 +625,24 @@ def cache_index_args(T: int, K: int, R: int = 3, E: int = 4, max_blocks: int = 8
     if T > 4:
         entries[4] = -1
     return block_table.to(device), E, req.to(device), entries.to(device)
+
+
+# ------------------------------------------------------------------------------ compressor state rows §5.4
+def state_write_args(T: int, W: int, ratio: int, E: int = 4, R: int = 3, max_blocks: int = 6,
+                     dtype=torch.bfloat16, seed: int = 0, device=DEVICE) -> tuple:
+    """``(view, block_table, req [T], positions [T], E, kv_proj [T, W], gate_proj [T, W], ape [ratio, W])``
+    of ``compressor_ref.write_state_rows``: distinct (request, position) slots over the shuffled block
+    table, row 1 (T > 1) padding (``req = -1``, NaN projections: never read); the pool holds random
+    contents; ``ape`` is fp32 with a different row per position mod ratio."""
+    g = _gen(seed)
+    bt, num_blocks = kv_block_table(g, R, max_blocks, device)
+    view = kv_view(g, num_blocks, E, 2 * W, torch.float32, 0, device)
+    slots = torch.randperm(R * max_blocks * E, generator=g)[:T]
+    req, positions = slots // (max_blocks * E), slots % (max_blocks * E)
+    kv = _randn(g, T, W, dtype=dtype, device="cpu")
+    gate = _randn(g, T, W, dtype=dtype, device="cpu")
+    if T > 1:
+        req[1] = -1
+        kv[1], gate[1] = float("nan"), float("nan")
+    ape = _randn(g, ratio, W, device=device)
+    return view, bt, req.to(device), positions.to(device), E, kv.to(device), gate.to(device), ape

@@ -32,7 +32,7 @@ from csrc_triton import (  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
     INTERPRET, cache_index_args, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
     kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, rms_norm_args,
-    rope_args, route_args, sparse_attn_args, sparse_attn_cached_args,
+    rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
 )
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
@@ -122,6 +122,8 @@ KERNEL_CASES = [
                  lambda: compress_args(300, 4, 512, True, device="cpu"), id="compress-csa"),
     pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
                  lambda: compress_args(64, 128, 512, False, device="cpu"), id="compress-hca"),
+    pytest.param(compressor._write_state_kernel, compressor.write_state_rows,
+                 lambda: state_write_args(64, 1024, 4, device="cpu"), id="state-write"),
     pytest.param(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk,
                  lambda: indexer_args([min(2048, (p + 1) // 4) for p in range(0, 40 * 211, 211)], 2048, 64, 128, 512,
                                       torch.bfloat16, device="cpu"), id="indexer-prefill"),

@@ -1,4 +1,4 @@
-"""Triton compress_windows against compressor_ref (kernel link of the test chain).
+"""Triton compress_windows and write_state_rows against compressor_ref (kernel link of the test chain).
 
 Tolerance: kernel_cases.assert_close (fp32 1e-5; bf16 rows 1e-2 + cosine). Invalid slots hold NaN /
 inf (they must never be read); entry 1 of N >= 3 has no valid slot and must pool to exactly 0.
@@ -11,10 +11,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from csrc_triton.compressor import compress_windows  # noqa: E402
+from csrc_triton.compressor import compress_windows, write_state_rows  # noqa: E402
 from csrc_triton.compressor_ref import compress_windows as compress_windows_ref  # noqa: E402
+from csrc_triton.compressor_ref import write_state_rows as write_state_rows_ref  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, compress_args,
+    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, compress_args, state_write_args,
 )
 
 pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -55,3 +56,21 @@ def test_compress_windows_strided_rows():
     view = wide[:, ::2, 3:]
     assert_close(compress_windows(view, valid, overlap, d), compress_windows_ref(rows, valid, overlap, d),
                  torch.float32)
+
+
+# (T, W, ratio): none, one token, a channel-block boundary (W = 1030), C4 main (c d = 2 x 512) and
+# indexer (2 x 128) rows, C128 (1 x 512).
+STATE_SHAPES = [(0, 8, 4), (1, 8, 4), (9, 1030, 4), (12, 20, 128), pytest.param(64, 1024, 4, marks=GPU),
+                pytest.param(64, 256, 4, marks=GPU), pytest.param(64, 512, 128, marks=GPU)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, W, ratio", STATE_SHAPES)
+def test_write_state_rows_matches_ref(T, W, ratio, dtype):
+    """The whole pool after the write: the written rows exactly (fp32 casts and one fp32 add), padding
+    rows not written, every other slot untouched."""
+    view, *rest = state_write_args(T, W, ratio, dtype=dtype)
+    want = view.clone()
+    write_state_rows(view, *rest)
+    write_state_rows_ref(want, *rest)
+    assert torch.equal(view.cpu(), want.cpu())

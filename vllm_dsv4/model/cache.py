@@ -57,11 +57,6 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         comp = self.component
         return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8)
 
-    def write(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` [N, C] as entries ``entry`` [N] of requests ``req`` [N] (rows with req < 0: none)."""
-        comp = self.component
-        ops.write_entries(self.view, md.block_table, req, entry, comp.entries_per_block, values, comp.fp8)
-
     def insert(self, md: CacheStepMetadata, x: torch.Tensor, norm, rope_positions: torch.Tensor,
                inv_freq: torch.Tensor, req: torch.Tensor, entry: torch.Tensor) -> None:
         """Store ``rope(norm(x))`` [N, C], roped at ``rope_positions``, as entries ``entry`` of ``req``
