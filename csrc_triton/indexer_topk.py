@@ -137,7 +137,8 @@ def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor
 def _topk(scores_of, num_visible: Tensor, Tq: int, N: int, topk: int, device: torch.device) -> Tensor:
     """Stage 2: ``[Tq, topk]`` int64, ``torch.topk`` of ``scores_of(rows)`` (the ``[t, N]`` scores of
     the query slice ``rows``, chunked over Tq as the reference), -1 where a pick is past
-    ``num_visible`` (``[Tq]`` on ``device``). Shapes depend on the arguments' shapes only."""
+    ``num_visible`` (``[Tq]`` on ``device``): sorted, so those come last (attention/flashmla.py relies
+    on it). Shapes depend on the arguments' shapes only."""
     out = torch.full((Tq, topk), -1, dtype=torch.int64, device=device)  # [Tq, topk]
     k_eff = min(topk, N)
     if Tq == 0 or k_eff == 0:
@@ -161,7 +162,7 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
         topk: ``index_topk``.
 
     Returns:
-        ``[Tq, topk]`` int64 entry indices in no particular order, -1 in the
+        ``[Tq, topk]`` int64 entry indices, the picks in no particular order, then -1 in the
         ``topk - min(topk, num_visible[t])`` spare slots. Ties are broken by ``torch.topk``.
     """
     num_visible = num_visible.to(q.device)
@@ -196,8 +197,8 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
         max_entries: ``N``, static bound on ``num_visible`` (the scores are ``[B, N]``).
 
     Returns:
-        ``[B, topk]`` int64 entry numbers in no particular order, -1 in the spare slots and in every
-        slot of a padding row.
+        ``[B, topk]`` int64 entry numbers, the picks in no particular order, then -1 in the spare
+        slots; -1 in every slot of a padding row.
     """
     B, _, di = q.shape
     assert view.dim() == 3 and block_table.dim() == 2 and req.shape == (B,), (view.shape, block_table.shape, req.shape)

@@ -149,7 +149,7 @@ def cached_keys(source: CacheSource, req: Tensor, entries: Tensor, dtype: torch.
     (invalid slots read request 0's entry 0)."""
     from csrc_triton.kv_pack_ref import unpack_main
 
-    view, bt, E, fp8 = source
+    view, bt, E, fp8 = source.view, source.block_table, source.entries_per_block, source.fp8
     pool = view.to(dtype) if fp8 is None else unpack_main(stored_entries(view, fp8), fp8.value_dim, fp8.rope_dim,
                                                           dtype)  # [N, E, d]
     r = req.clamp(min=0).long()[:, None].expand_as(entries)
@@ -253,12 +253,14 @@ def indexer_ref_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
 
 def assert_valid_topk(sel: Tensor, scores: Tensor, num_visible: Tensor, topk: int, tol: float) -> None:
     """``sel [Tq, topk]`` is *a* top-k of the visible prefix of ``scores`` (ties within ``tol`` may go
-    either way), -1 exactly in the spare slots, no duplicates."""
+    either way), -1 exactly in the spare slots, which come last (every layer's list then has the same
+    valid length: attention/flashmla.py shares its plans on that), no duplicates."""
     assert sel.shape == (scores.shape[0], topk) and sel.dtype == torch.int64, (sel.shape, sel.dtype)
     for t in range(sel.shape[0]):
         nv = min(int(num_visible[t]), scores.shape[1])
         picked = [i for i in sel[t].tolist() if i >= 0]
         assert len(picked) == min(topk, nv) and len(set(picked)) == len(picked), (t, picked, nv)
+        assert (sel[t, len(picked):] == -1).all(), (t, sel[t])  # the spare slots are a suffix
         assert all(i < nv for i in picked) and (sel[t] >= -1).all(), (t, picked, nv)
         rest = sorted(set(range(nv)) - set(picked))
         if picked and rest:

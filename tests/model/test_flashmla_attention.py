@@ -74,3 +74,26 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
     ref = triton_attn(*args)
     assert_close(out, ref, torch.bfloat16)
     assert (ref[:2] == 0).all() and (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
+                    reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
+def test_layers_of_a_kind_share_one_plan():
+    """Two C4 layers of a step: other queries, sinks and picks, the same slot-list lengths. Through one
+    plan store the second call reuses the first call's scheduler plan and still matches the Triton
+    kernel; the store holds that one plan."""
+    from csrc_triton.sparse_attn import sparse_attn_cached as triton_attn
+
+    plans = {}
+    for seed in (0, 1):
+        q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
+            32, 64, 512, 128, 512, V4, torch.bfloat16, E=(64, 64), entries=(4096, 4096), device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(q.shape, generator=g, device="cuda").to(q.dtype)
+        # other picks, same valid prefix per row: permute each row's valid entries
+        order = torch.argsort(torch.rand(main_entries.shape, generator=g, device="cuda") + (main_entries < 0) * 2, -1)
+        main_entries = main_entries.gather(1, order)
+        window, main = _aligned(window)._replace(plans=plans), _aligned(main)
+        args = (q, sink, scale, req, window, window_entries, main, main_entries)
+        assert_close(flashmla.sparse_attn_cached(*args), triton_attn(*args), torch.bfloat16)
+    assert list(plans) == ["flashmla"] and plans["flashmla"].have_initialized

@@ -7,7 +7,7 @@ into one block pool, vllm_plugin_surface.md §2.4) and builds the step metadata 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backend import (
@@ -31,6 +31,9 @@ class CacheStepMetadata:
     block_table: torch.Tensor
     token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
     decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
+    # This step's attention plans, one per (query chunk, layer kind) (model/attention.py): a fresh
+    # dict per build, so a plan never outlives the step (or the graph capture) it was made in.
+    plans: dict = field(default_factory=dict, compare=False)
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):

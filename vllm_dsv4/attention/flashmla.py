@@ -13,8 +13,10 @@ aligned) the Triton kernel runs (the reason logged once), which is also this pat
 The kernel takes 64 or 128 query heads: fewer heads are padded with zero queries. Slot lists are
 padded with -1 to a multiple of 128 (its index blocks are 64 wide, 128 on Blackwell's head-128
 kernel) and cut short per query by ``topk_length`` (one past the last valid slot), so a C128 decode's
-fixed-width list costs only its visible entries. The scheduler metadata is planned per call (one
-small kernel): layers differ in their C4 picks, and a fresh plan is what CUDA-graph replay re-runs.
+fixed-width list costs only its visible entries. The scheduler metadata (one small kernel) is planned
+once per step, query chunk and layer kind: it depends on the slot lists' shapes and lengths only,
+which the layers of a kind share (model/attention.py), not on the picks. A CUDA graph captures the
+planning call of the first layer of each kind and replays it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ def _log_fallback(reason: str) -> None:
     logger.info("vllm-dsv4: attention runs the Triton kernel, not FlashMLA: %s", reason)
 
 
+def _plan(window: CacheSource, flashmla):
+    """FlashMLA's scheduler plan for this call: the one made by the first call sharing the window's
+    plan store (FlashMLA reuses a plan across calls whose shapes and lengths are equal, and asserts
+    the shapes), or a fresh one."""
+    if window.plans is None:
+        return flashmla.SchedMeta()
+    return window.plans.setdefault("flashmla", flashmla.SchedMeta())
+
+
 def _cache_indices(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
     """``([T, 1, K'] int32 global cache indices, [T] int32 lengths)`` of the slot lists (cache_index.py)."""
     index, lengths = global_slots(src.block_table, src.entries_per_block, req, entries, SLOT_ALIGN)
@@ -104,7 +115,7 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
     out = torch.empty(T, 1, heads, d, dtype=q.dtype, device=q.device)
     if T:
         flashmla.attend(q=q_in, k_cache=window.view.unsqueeze(2), block_table=None, cache_seqlens=None,
-                        head_dim_v=d, tile_scheduler_metadata=flashmla.SchedMeta(), softmax_scale=scale,
+                        head_dim_v=d, tile_scheduler_metadata=_plan(window, flashmla), softmax_scale=scale,
                         is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in, out=out,
                         **extra)
     return out[:, 0, :H]

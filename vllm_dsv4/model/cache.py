@@ -52,10 +52,11 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         """The bound pages as ``[num_blocks, entries_per_block, entry_elems]``."""
         return compat.cache_view(self.kv_cache)
 
-    def source(self, md: CacheStepMetadata) -> CacheSource:
-        """This step's pages as a key source that kernels read by (request, entry)."""
+    def source(self, md: CacheStepMetadata, plans: dict | None = None) -> CacheSource:
+        """This step's pages as a key source that kernels read by (request, entry); ``plans``: the
+        scratch of calls with equal slot-list lengths (``CacheSource.plans``)."""
         comp = self.component
-        return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8)
+        return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8, plans)
 
     def insert(self, md: CacheStepMetadata, x: torch.Tensor, norm, rope_positions: torch.Tensor,
                inv_freq: torch.Tensor, req: torch.Tensor, entry: torch.Tensor) -> None:
