@@ -55,6 +55,8 @@ class Attention(nn.Module):
         self.attn_sink = fp32_param(self.num_heads)
         inv_freq = layer_inv_freq(cfg, ratio)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # window slot w of the query at p is position p - window + 1 + w
+        self.register_buffer("window_offsets", torch.arange(1 - self.window, 1), persistent=False)
 
         cache_config = vllm_config.cache_config
         components = layer_components(cfg, ratio, kv_dtype, cache_config.block_size,
@@ -100,8 +102,7 @@ class Attention(nn.Module):
 
     def _window(self, positions):
         """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
-        pos = positions[:, None] - self.window + 1 + torch.arange(self.window, device=positions.device)
-        return torch.where(pos >= 0, pos, -1)
+        return (positions[:, None] + self.window_offsets).clamp_(min=-1)
 
     def _compressed_entries(self, md, x, q_latent, positions):
         """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry, or the

@@ -28,7 +28,8 @@ class Compressor(nn.Module):
         self.ape = fp32_param(ratio, coff * head_dim)
         self.norm = RMSNorm(head_dim, eps)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.window_tokens = coff * ratio
+        # row s of the window closed by the token at p is position p - coff * ratio + 1 + s
+        self.register_buffer("window_offsets", torch.arange(1 - coff * ratio, 1), persistent=False)
         self.state_cache, self.out_cache = state_cache, out_cache
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> None:
@@ -46,7 +47,7 @@ class Compressor(nn.Module):
             out_req = r
         else:
             return
-        window = pos[:, None] - self.window_tokens + 1 + torch.arange(self.window_tokens, device=pos.device)  # [N, S]
+        window = pos[:, None] + self.window_offsets  # [N, S]
         valid = window >= 0
         rows = self.state_cache.read(md_state, r.clamp(min=0)[:, None], window.clamp(min=0))  # [N, S, 2*coff*d]
         pooled = ops.compress_windows(rows, valid, self.overlap, self.head_dim)  # [N, d]
