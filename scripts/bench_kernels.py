@@ -8,10 +8,10 @@ the op must move (the ``*_bytes`` helpers there), so the % column is a roofline 
 kernel line; the reference line is timed on the same bytes for comparison. Each case first checks the
 kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
 Skips (exit 0) without CUDA. Where the model can run another GPU implementation of an op (wo_a: the
-inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, the default, against our fused kernel;
-routed experts: vLLM's Marlin MXFP4 MoE against ours), that is timed too, built as the model builds it
-under the vLLM config a worker loading DeepSeek-V4 has: which one the model should default to is
-this table's question.
+inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, which ``ops.OUT_PROJ=auto`` takes above
+1,024 tokens, against our fused kernel; routed experts: vLLM's Marlin MXFP4 MoE against ours), that
+is timed too, built as the model builds it under the vLLM config a worker loading DeepSeek-V4 has:
+which one the model should run at which size is this table's question.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     """The other GPU implementations of an op the model can run (``ops.OUT_PROJ``, ``ops.MOE_BACKEND``),
     bound to this case's inputs, built as the model builds them (call under vLLM's current config)."""
     if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (auto, > 1,024 tokens)
-        from csrc_triton.rope import apply_rope_tail
+        from vllm_dsv4.model.attention import grouped_out_proj
         from vllm_dsv4.model.layers import Linear
 
         o, positions, inv_freq, weight, weight_scale, groups = inputs
@@ -154,8 +154,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         linear.weight.data.copy_(weight)
         linear.weight_scale.data.copy_(weight_scale)
         linear.finish_loading()
-        derotate = lambda: apply_rope_tail(o, positions, inv_freq, inverse=True).reshape(o.shape[0], groups, -1)  # noqa: E731
-        return {"grouped": lambda: linear.grouped(derotate()).flatten(1)}
+        return {"grouped": lambda: grouped_out_proj(o, positions, inv_freq, linear, groups)}
     if op == "moe_experts_mxfp4":  # vLLM's Marlin MXFP4 MoE, the weights repacked once
         from vllm_dsv4 import compat
 

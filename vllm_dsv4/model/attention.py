@@ -35,6 +35,13 @@ def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
                              yarn.original_max_position_embeddings, yarn.beta_fast, yarn.beta_slow)
 
 
+def grouped_out_proj(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, wo_a: Linear,
+                     groups: int) -> torch.Tensor:
+    """``wo_a`` unfused (§5.6): the inverse-RoPE op, then one GEMM per head group; [T, H, d] -> [T, G * R]."""
+    o = ops.apply_rope_tail(o, positions, inv_freq, inverse=True)
+    return wo_a.grouped(o.reshape(o.shape[0], groups, -1)).flatten(1)
+
+
 class Attention(nn.Module):
     """Returns this rank's partial output: its heads and output groups (model/parallel.py)."""
 
@@ -122,5 +129,4 @@ class Attention(nn.Module):
         if self.wo_a.weight_scale is not None and fused:
             return ops.rope_out_proj(o, positions, self.inv_freq, self.wo_a.weight, self.wo_a.weight_scale,
                                      self.groups)
-        o = ops.apply_rope_tail(o, positions, self.inv_freq, inverse=True)
-        return self.wo_a.grouped(o.reshape(o.shape[0], self.groups, -1)).flatten(1)
+        return grouped_out_proj(o, positions, self.inv_freq, self.wo_a, self.groups)

@@ -58,6 +58,13 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         comp = self.component
         return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8, plans)
 
+    def write_state(self, md: CacheStepMetadata, req: torch.Tensor, positions: torch.Tensor, kv_proj: torch.Tensor,
+                    gate_proj: torch.Tensor, ape: torch.Tensor) -> None:
+        """Store each token's compressor state row ``[kv | gate + ape[p mod m]]`` as entry ``positions`` of
+        ``req`` (rows with req < 0: none); one fused op."""
+        ops.write_state_rows(self.view, md.block_table, req, positions, self.component.entries_per_block, kv_proj,
+                             gate_proj, ape)
+
     def insert(self, md: CacheStepMetadata, x: torch.Tensor, norm, rope_positions: torch.Tensor,
                inv_freq: torch.Tensor, req: torch.Tensor, entry: torch.Tensor) -> None:
         """Store ``rope(norm(x))`` [N, C], roped at ``rope_positions``, as entries ``entry`` of ``req``

@@ -36,8 +36,7 @@ class Compressor(nn.Module):
         """x [T, D] post-attn_norm hidden, positions [T]."""
         md_state, md_out = self.state_cache.metadata(), self.out_cache.metadata()
         req = md_state.token_to_req  # [T], -1 for padding
-        ops.write_state_rows(self.state_cache.view, md_state.block_table, req, positions,
-                             self.state_cache.component.entries_per_block, self.wkv(x), self.wgate(x), self.ape)
+        self.state_cache.write_state(md_state, req, positions, self.wkv(x), self.wgate(x), self.ape)
 
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
         if md_state.decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
