@@ -21,18 +21,22 @@ import torch.nn.functional as F
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 128  # activation group = weight block width
 MIN_AMAX = 1e-10  # an all-zero group gets a tiny scale instead of 0/0 (vLLM's eps)
+INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where it multiplies an fp32 tensor
 
 
 def quant_act_fp8(x: torch.Tensor, pow2_scales: bool = False, group: int = GROUP):
     """x [..., K] -> (q float8_e4m3fn [..., K], scale float32 [..., ceil(K/group)]), x ~ q * scale.
 
-    Per group: scale = amax / 448, or its power-of-two ceiling (UE8M0, what DeepGEMM asks for);
-    q = x / scale rounded to the nearest e4m3 value (ties to even), clamped to +-448.
+    Per group: scale = amax * fp32(1/448), or its power-of-two ceiling (UE8M0, what DeepGEMM asks
+    for); q = x / scale rounded to the nearest e4m3 value (ties to even), clamped to +-448. The scale
+    is a product with the fp32 reciprocal, written out: torch divides by a Python scalar that way on
+    CUDA but not everywhere, and a scale one ulp off flips the e4m3 rounding of bf16 activations that
+    sit on a tie (common: 448 * x / amax of bf16 values often has 4 significant bits).
     """
     k = x.shape[-1]
     num_groups = math.ceil(k / group)
     xg = F.pad(x.float(), (0, num_groups * group - k)).unflatten(-1, (num_groups, group))  # [..., G, group]
-    scale = xg.abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX  # [..., G]
+    scale = xg.abs().amax(-1).clamp(min=MIN_AMAX) * INV_FP8_MAX  # [..., G]
     if pow2_scales:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [..., G, group]

@@ -11,8 +11,8 @@ One program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group. Per 
 loads the attention output, splits it into its interleaved rope pairs in registers and de-rotates
 them with the per-token cos / sin the launcher computes as the reference does (loaded once per
 program; cos 1, sin 0 outside the tail, which leaves those values unchanged), rounds to o's dtype as
-the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax / 448`` (IEEE
-divisions and no FMA contraction, so each e4m3 value is the reference's), and
+the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax * fp32(1/448)`` (an
+IEEE division by it and no FMA contraction, so each e4m3 value is the reference's), and
 accumulates the FP8 tensor-core product scaled by the activation and weight block scales. A 128-block
 never straddles two heads (``d % 128 == 0``) and the rope tail lies in a head's last block
 (``rope_dim <= 128``), so the group's K blocks walk its heads in order.
@@ -32,6 +32,7 @@ from triton.runtime.jit import JITFunction
 from csrc_triton.kv_cache import _bf16_bits, _e4m3_decode, _e4m3_encode
 
 FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # fp8_linear_ref's scale factor
 BLOCK_K = 128  # activation group = weight block
 
 
@@ -68,9 +69,9 @@ def _rope_out_proj_kernel(
         x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
         if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
             x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
-        # IEEE divisions: the default fp32 '/' is approximate and would move values across e4m3 rounding
-        # boundaries the reference (torch) does not cross
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), FP8_MAX)  # [BM] per-token group scale
+        # the reference's scale exactly, and an IEEE division: the default fp32 '/' is approximate and
+        # would move values across e4m3 rounding boundaries the reference does not cross
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * INV_FP8_MAX  # [BM] per-token group scale
         v = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)  # [BM, BK]
         kw = (k0 + c).to(tl.int64)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + kw[None, :] * s_wk)  # [BN, BK] e4m3, K contiguous

@@ -29,7 +29,7 @@ flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
 
 case "${1:-unit}" in
   unit)
-    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line tests/csrc_triton tests/model tests/kv tests/loader \
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
       > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
   e2e)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_generate.py \

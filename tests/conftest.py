@@ -55,6 +55,19 @@ def tiny_ckpt_unquantized(tmp_path_factory, make_checkpoint_module) -> Path:
     return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_u"), "tiny", quantized=False, seed=0)
 
 
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    """Model modules on CPU tensors on a CUDA machine: ``vllm_dsv4.ops`` as it is with
+    ``VLLM_DSV4_OPS=reference`` (ops picks its Triton kernels and vLLM's GEMMs at import, and those
+    only take CUDA tensors). Without CUDA it changes nothing."""
+    from vllm_dsv4 import ops
+
+    monkeypatch.setenv("VLLM_DSV4_OPS", "reference")
+    reference = load_module_by_path(ops.__file__, "vllm_dsv4_ops_reference")
+    for name in ops.__all__ + [n for n in vars(ops) if n.isupper()]:
+        monkeypatch.setattr(ops, name, getattr(reference, name))
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -93,7 +93,9 @@ def test_out_proj_compiles_for_hopper(tokens, tensor_core_op):
     assert compiled.metadata.shared <= MAX_SHARED_BYTES
     assert tensor_core_op in compiled.asm["ptx"]
     assert "cp.async" in compiled.asm["ptx"]  # the weight loads are pipelined
-    # quantised as the reference quantises: IEEE divisions, no FMA contraction in the de-rotation
+    # quantised as the reference quantises: scale = amax * fp32(1/448) (0f3B124925), an IEEE division by
+    # it, no FMA contraction in the de-rotation
+    assert "mul.rn.f32" in compiled.asm["ptx"] and "0f3B124925" in compiled.asm["ptx"]
     assert "div.rn.f32" in compiled.asm["ptx"] and "fma.rn.f32" not in compiled.asm["ptx"]
 
 

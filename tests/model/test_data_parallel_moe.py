@@ -193,19 +193,9 @@ def test_dispatch_and_combine_are_exact(ckpt, dp, tp, sizes):
         assert group.calls == ([] if dp == 1 else ["all_gather"] * 3 + ["reduce_scatter"])
 
 
-@pytest.fixture
-def reference_router(monkeypatch):
-    """The CPU-tensor MoE routes with the reference router: this file tests distribution, and the
-    Triton router (tests/csrc_triton/test_routing_kernel.py) only takes CUDA tensors."""
-    from csrc_triton import routing_ref
-    from vllm_dsv4 import ops
-
-    monkeypatch.setattr(ops, "route", routing_ref.route)
-
-
 @pytest.mark.parametrize("layer", [HASHED, SCORED], ids=["hash", "score"])
 @pytest.mark.parametrize("dp, tp, sizes", RANKS, ids=RANK_IDS)
-def test_moe_over_dp_ranks_equals_the_single_rank_moe(ckpt, layer, dp, tp, sizes, reference_router):
+def test_moe_over_dp_ranks_equals_the_single_rank_moe(ckpt, layer, dp, tp, sizes, cpu_ops):
     """The whole ``MoE.forward`` on every rank (routing on the rank's own tokens, the exchange, the
     shared expert on the rank's tokens, the TP sum) against one MoE on all tokens. Not bit-exact:
     CPU BLAS may round a row of the router / shared expert differently inside a batch of another

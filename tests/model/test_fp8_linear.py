@@ -154,16 +154,7 @@ def held_linear(out_features: int, in_features: int, seed: int, groups: int = 1)
     return lin
 
 
-@pytest.fixture
-def reference_gemm(monkeypatch):
-    """Bind FP8 linears to the reference GEMM (the CPU path) even where ops picked vLLM's kernels."""
-    import csrc_triton.fp8_linear_ref as ref
-    from vllm_dsv4 import ops
-
-    monkeypatch.setattr(ops, "block_fp8_gemm", ref.block_fp8_gemm)
-
-
-def test_fp8_storage_computes_through_the_reference_on_cpu(reference_gemm):
+def test_fp8_storage_computes_through_the_reference_on_cpu(cpu_ops):
     lin = held_linear(256, 384, seed=3)
     x = activations(6, 384, seed=4, dtype=torch.float32).view(2, 3, 384)
     assert torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale))
@@ -255,7 +246,7 @@ def checkpoint_fp8_linears(cfg: Dsv4Config) -> dict[str, tuple[int, int]]:
             and not n.startswith("mtp.") and param_target(n)[1] is None}
 
 
-def test_loader_fills_fp8_storage_that_dequantises_to_the_dequantised_load(tiny_ckpt, reference_gemm):
+def test_loader_fills_fp8_storage_that_dequantises_to_the_dequantised_load(tiny_ckpt, cpu_ops):
     cfg, ckpt = Dsv4Config.from_pretrained(tiny_ckpt), Checkpoint(tiny_ckpt)
     dequantised = empty_params(cfg, ckpt)
     load_official_weights(cfg, stream(ckpt), dequantised)
