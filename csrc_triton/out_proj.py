@@ -93,9 +93,18 @@ def fits(o: Tensor, weight: Tensor, groups: int, rope_dim: int) -> bool:
             and weight.shape[1] == H // groups * d and 0 < rope_dim <= BLOCK_K and rope_dim % 2 == 0)
 
 
+def default_tiles(T: int) -> dict:
+    """The launch's tile sizes for ``T`` tokens (scripts/bench_kernels.py times others against them)."""
+    if T <= 64:  # decode: narrow tiles, more programs streaming the weight, deep load pipeline
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
 def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor, weight_scale: Tensor,
-                  groups: int) -> Tensor:
-    """Triton :func:`out_proj_ref.rope_out_proj` (same arguments and result; shapes as ``fits``)."""
+                  groups: int, tiles: dict | None = None) -> Tensor:
+    """Triton :func:`out_proj_ref.rope_out_proj` (same arguments and result; shapes as ``fits``);
+    ``tiles`` overrides :func:`default_tiles` (``BLOCK_M``, ``BLOCK_N`` dividing a group's rows,
+    ``num_warps``, ``num_stages``)."""
     T, H, d = o.shape
     assert fits(o, weight, groups, 2 * inv_freq.numel()), (o.shape, weight.shape, groups, inv_freq.shape)
     assert o.dtype in (torch.bfloat16, torch.float32), o.dtype
@@ -103,10 +112,8 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
     out = torch.empty(T, N, dtype=o.dtype, device=o.device)
     if T == 0:
         return out
-    if T <= 64:  # decode: narrow tiles, more programs streaming the weight, deep load pipeline
-        tiles = dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=64, num_warps=4, num_stages=4)
-    else:
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    tiles = tiles or default_tiles(T)
+    assert (N // groups) % tiles["BLOCK_N"] == 0, (N, groups, tiles)
     # the reference's angles and cos / sin, once per token (not per output block)
     freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)  # [T, r/2]
     _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"])](

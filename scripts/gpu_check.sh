@@ -2,11 +2,13 @@
 # GPU validation on a CUDA machine with vLLM 0.26 and this plugin installed, stage by stage, in the
 # order of value per minute (each stage fits a 10-minute slot; STAGE_LIMIT bounds one). Logs go to $LOG_DIR (default ./gpu-logs).
 #
-#   scripts/gpu_check.sh unit          # kernel + module tests against their references (~3 min)
+#   scripts/gpu_check.sh unit          # our kernels + modules against their references (~4 min)
+#   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
+#                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
-#   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager
+#   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager (> 320 s)
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
@@ -21,6 +23,8 @@ FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
 LIMIT=${STAGE_LIMIT:-560}  # seconds per stage; lower it to fit two stages into one device call
 mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
+# the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
+VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
 summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
@@ -30,7 +34,10 @@ flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
 case "${1:-unit}" in
   unit)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
-      > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
+      -k "not ($VLLM_KERNEL_TESTS)" > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
+  vllm-kernels)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/model -k "$VLLM_KERNEL_TESTS" \
+      > "$LOG_DIR/vllm_kernels.log" 2>&1; summary "$LOG_DIR/vllm_kernels.log" ;;
   e2e)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_generate.py \
       tests/e2e/test_prefix_cache.py -k "(chunked and 64) or preempt or fp8_kv or cache" > "$LOG_DIR/e2e.log" 2>&1; summary "$LOG_DIR/e2e.log" ;;

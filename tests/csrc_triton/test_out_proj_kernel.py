@@ -55,3 +55,11 @@ def test_rope_out_proj_reads_strided_heads():
     wide = torch.zeros(4, 3, 128, dtype=o.dtype, device=o.device)
     wide[:, 1:] = o
     assert_close(rope_out_proj(wide[:, 1:], *rest), rope_out_proj_ref(o, *rest), torch.bfloat16)
+
+
+@pytest.mark.parametrize("tiles", [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=6),
+                                   dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)], ids=["n32", "m64n128"])
+def test_rope_out_proj_other_tiles_match_ref(tiles):
+    """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
+    args = out_proj_args(70, 4, 128, 32, 2, 128, torch.bfloat16)
+    assert_close(rope_out_proj(*args, tiles=tiles), rope_out_proj_ref(*args), torch.bfloat16)
