@@ -8,6 +8,7 @@
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
+#   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
 #   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager (> 320 s)
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
@@ -48,6 +49,9 @@ case "${1:-unit}" in
     flash_checkpoint
     DSV4_FLASH_CKPT="$FLASH" timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
       tests/e2e/test_gpu_path.py -k flash > "$LOG_DIR/gpu_path_flash.log" 2>&1; summary "$LOG_DIR/gpu_path_flash.log" ;;
+  graph-ops)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/model/test_graph_replay.py \
+      > "$LOG_DIR/graph_ops.log" 2>&1; summary "$LOG_DIR/graph_ops.log" ;;
   graphs)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;

@@ -1,0 +1,121 @@
+"""CUDA-graph replay of the ops a decode step runs against the same op run eagerly: bit for bit.
+
+tests/e2e/test_gpu_path.py::test_cuda_graph_decode_matches_eager compares whole generations; this
+file names the op when that fails. Each op is captured once on static inputs, then replayed after
+other inputs (another seed: other activations, picks, slot lists and lengths) are copied into them,
+as vLLM's decode graphs replay with a step's hidden states, positions and block tables, and the
+replay's output must equal an eager call's on those inputs. Ops without host reads whose kernels
+reduce in a fixed order give identical bits; a difference is state the capture froze (a plan, a
+workspace, a length read on the host) or a reduction order that varies between runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.csrc_triton import kernel_cases as kc
+from tests.model.test_flashmla_attention import _aligned
+from vllm_dsv4.kv.layout import Fp8Entry
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")]
+BF16 = torch.bfloat16
+
+
+def _copy_into(static, new) -> None:
+    """Copy every tensor of ``new`` into ``static``'s (same structure); other values must agree."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(new)
+    elif isinstance(static, (tuple, list)):
+        assert len(static) == len(new)
+        for s, n in zip(static, new):
+            _copy_into(s, n)
+    else:
+        assert static == new, (static, new)
+
+
+def assert_replay_matches_eager(fn, inputs_for, seeds=(1, 2)) -> None:
+    static = inputs_for(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and initialise outside the capture
+        for _ in range(2):
+            fn(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*static)
+    for seed in seeds:
+        new = inputs_for(seed)
+        _copy_into(static, new)
+        graph.replay()
+        eager = fn(*new)
+        assert torch.equal(captured, eager), (seed, (captured.double() - eager.double()).abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def experts():
+    """V4-Flash's routed experts (256 of D=4096, I=2048), top-6."""
+    *_, w13, s13, w2, s2, limit = kc.moe_mxfp4_args(1, 4096, 2048, 256, 6, BF16, device="cuda")
+    return w13, s13, w2, s2, limit
+
+
+def _routed(seed: int) -> tuple:
+    x, weights, ids, *_ = kc.moe_mxfp4_args(16, 4096, 2048, 256, 6, BF16, seed=seed, device="cuda")
+    return x, weights, ids
+
+
+def test_triton_moe_replays_as_eager(experts):
+    from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
+
+    assert_replay_matches_eager(lambda x, w, ids: moe_experts_mxfp4(x, w, ids, *experts), _routed)
+
+
+def test_marlin_moe_replays_as_eager(experts):
+    from vllm_dsv4 import compat
+
+    marlin = compat.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in experts])
+    assert_replay_matches_eager(marlin, _routed)
+
+
+def test_fused_out_proj_replays_as_eager():
+    from csrc_triton.out_proj import rope_out_proj
+
+    assert_replay_matches_eager(rope_out_proj,
+                                lambda seed: kc.out_proj_args(16, 64, 512, 64, 8, 1024, BF16, seed=seed, device="cuda"))
+
+
+def test_indexer_topk_replays_as_eager():
+    from csrc_triton.indexer_topk import indexer_topk_paged
+
+    visible = [0, 1, 511, 512, 700, 1024, 2048, 3000]
+    fp8 = Fp8Entry(128, None)
+    assert_replay_matches_eager(indexer_topk_paged, lambda seed: kc.indexer_paged_args(
+        visible, [0, 1, 2, 3, 4, 5, 6, -1], 8, 4096, 64, 128, 512, 64, fp8, BF16, seed=seed, device="cuda"))
+
+
+def test_flashmla_layers_sharing_a_plan_replay_as_eager():
+    """Two C4 layers of a step planned once (attention/flashmla.py): the replay re-plans for the new
+    slot-list lengths."""
+    from vllm_dsv4 import compat
+    from vllm_dsv4.attention import flashmla
+
+    if compat.flashmla_sparse() is None:
+        pytest.skip("no FlashMLA sparse kernel in this vLLM build or on this device")
+
+    def two_layers(q, sink, scale, req, window, window_entries, main, main_entries):
+        plans = {}  # one step's store: the first layer plans, the second reuses
+        window = window._replace(plans=plans)
+        first = flashmla.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
+        second = flashmla.sparse_attn_cached(q.flip(1), sink, scale, req, window, window_entries, main, main_entries)
+        return torch.cat([first, second])
+
+    def inputs_for(seed):
+        q, sink, scale, req, window, window_entries, main, main_entries = kc.sparse_attn_cached_args(
+            32, 64, 512, 128, 512, Fp8Entry(512, 64), BF16, E=(64, 64), entries=(4096, 4096), seed=seed,
+            device="cuda")
+        window, main = _aligned(window), _aligned(main)
+        return q, sink, scale, req, window, window_entries, main, main_entries
+
+    assert_replay_matches_eager(two_layers, inputs_for)
+
