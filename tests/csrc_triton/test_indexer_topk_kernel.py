@@ -5,6 +5,10 @@ relative to the score scale as well). Selection: ties make "the same indices as 
 wrong check, so each row must be *a* valid top-k of the float64 scores (tolerance 1e-4 of the score
 scale), with -1 exactly in the spare slots; the reference passes the same check.
 
+The selection alone (radix select over the visible prefix) against ``torch.topk`` of that prefix: the
+same multiset of values, distinct in-prefix indices, -1 exactly in the spare slots, and among the
+entries equal to the k-th largest value the lowest-indexed ones.
+
 Paged decode top-k (keys read through the block table, raw or FP8 entries): the kernel picks the same
 entry set per row as ``indexer_ref.indexer_topk_paged`` (swaps only at float64 ties), and that
 reference picks what the gather path does (each row alone against its request's visible keys).
@@ -20,7 +24,7 @@ pytest.importorskip("triton")
 from csrc_triton import kv_cache_ref  # noqa: E402
 from csrc_triton.indexer_ref import indexer_topk as indexer_topk_ref  # noqa: E402
 from csrc_triton.indexer_ref import indexer_topk_paged as indexer_topk_paged_ref  # noqa: E402
-from csrc_triton.indexer_topk import indexer_scores, indexer_topk, indexer_topk_paged  # noqa: E402
+from csrc_triton.indexer_topk import indexer_scores, indexer_topk, indexer_topk_paged, select_topk  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
     DTYPE_IDS, DTYPES, SKIP_REASON, assert_same_topk, assert_valid_topk, indexer_args, indexer_paged_args,
     indexer_ref_scores,
@@ -170,3 +174,43 @@ def test_indexer_topk_paged_cuda_graph(kind):
     graph.replay()
     scores = _paged_scores(q, weights, view, bt, req, E, fp8, N)
     assert_same_topk(out.cpu(), indexer_topk_paged_ref(*args).cpu(), scores, 1e-5 * max(1.0, scores.abs().max().item()))
+
+
+# (num_visible per row, N, k, values): at most k visible (no pass), one pick, many ties across every
+# radix digit, negative and mixed-sign scores, picks straddling the 1,024-entry chunks, V4-Flash decode
+# rows at max_model_len 64k (16,384 wide) with short and long prefixes.
+SELECT_CASES = [
+    pytest.param([0, 3, 8], 8, 8, "normal", id="at-most-k"),
+    pytest.param([1, 7, 50], 50, 1, "normal", id="k1"),
+    pytest.param([5000, 4000, 2500, 9], 5000, 100, "ties", id="ties"),
+    pytest.param([3000, 1500], 3000, 512, "negative", id="negative"),
+    pytest.param([2049, 2048, 1025], 2049, 1024, "normal", id="chunk-edges"),
+    pytest.param([16384, 700, 513, 512, 0], 16384, 512, "normal", id="flash-decode", marks=GPU),
+]
+
+
+@pytest.mark.parametrize("num_visible, N, k, values", SELECT_CASES)
+def test_select_topk_matches_torch_topk(num_visible, N, k, values):
+    g = torch.Generator().manual_seed(N + k)
+    T = len(num_visible)
+    scores = {"normal": lambda: torch.randn(T, N, generator=g),
+              "ties": lambda: torch.randint(-3, 4, (T, N), generator=g).float(),
+              "negative": lambda: -torch.rand(T, N, generator=g) - 1}[values]()
+    nv = torch.tensor(num_visible)
+    scores[torch.arange(N)[None, :] >= nv[:, None]] = float("-inf")  # as the score kernel writes them
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = select_topk(scores.to(device), nv.to(device), k).cpu()
+    assert out.shape == (T, k) and out.dtype == torch.int64
+    for t in range(T):
+        n = int(nv[t])
+        m = min(k, n)
+        picks = out[t, :m]
+        assert (out[t, m:] == -1).all() and len(set(picks.tolist())) == m, (t, out[t])
+        assert ((picks >= 0) & (picks < n)).all(), (t, picks)
+        if m == 0:
+            continue
+        assert torch.equal(scores[t, picks].sort().values, scores[t, :n].topk(m).values.sort().values), t
+        kth = scores[t, picks].min()
+        equal = (scores[t, :n] == kth).nonzero().flatten()
+        taken = picks[scores[t, picks] == kth].sort().values
+        assert torch.equal(taken, equal[: taken.numel()]), (t, taken, equal)
