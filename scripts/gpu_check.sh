@@ -10,6 +10,7 @@
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
 #   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager (> 320 s)
+#   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
@@ -55,6 +56,9 @@ case "${1:-unit}" in
   graphs)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
+  piecewise)
+    timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
+      -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
   bench-kernels)  # per-op table; wo_a and the experts against the other implementation the model can run
     timeout "$LIMIT" python scripts/bench_kernels.py > "$LOG_DIR/bench_kernels.log" 2>&1; tail -45 "$LOG_DIR/bench_kernels.log" ;;
   bench-plugin | bench-intree)

@@ -66,15 +66,21 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching) == (True, 64, True)
 
 
-@pytest.mark.parametrize("asked, resolved", [
-    (None, "FULL_DECODE_ONLY"),  # vLLM's default (FULL_AND_PIECEWISE) would come later
-    ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"),
-    ("PIECEWISE", "FULL_DECODE_ONLY"),
-    ("FULL", "FULL_DECODE_ONLY"),
-    ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
-    ("NONE", "NONE"),
+@pytest.mark.parametrize("breakable, asked, resolved", [
+    ("0", None, "FULL_DECODE_ONLY"),  # vLLM's default (FULL_AND_PIECEWISE) would come later
+    ("0", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"),
+    ("0", "PIECEWISE", "FULL_DECODE_ONLY"),
+    ("0", "FULL", "FULL_DECODE_ONLY"),
+    ("0", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+    ("0", "NONE", "NONE"),
+    ("1", None, "FULL_DECODE_ONLY"),  # piecewise on request only (until checked on the GPU)
+    ("1", "FULL", "FULL_DECODE_ONLY"),
+    ("1", "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE"),
+    ("1", "PIECEWISE", "PIECEWISE"),  # breakable graphs run the piecewise part
 ])
-def test_config_hook_keeps_prefix_caching_fixes_block_size_and_graphs_decode_only(asked, resolved):
+def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes(breakable, asked, resolved,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", breakable)
     from types import SimpleNamespace
 
     from vllm.config import CompilationConfig, CUDAGraphMode

@@ -17,12 +17,15 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
 5. PATCH ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32): our subclass of the
    in-tree hook keeps its quant-method rewrite and sets the block size to 256 tokens unless the
    user chose a multiple of 128 (a compressed block must hold whole C128 entries; the in-tree
-   model gets 256 from its backend's kernel block size, ours accepts any). It also makes CUDA graphs
-   ``FULL_DECODE_ONLY`` unless the user chose that or none: vLLM's default (FULL_AND_PIECEWISE) would
-   capture mixed batches whole (0.26 auto-enables its breakable graphs for this architecture, which
-   break only at vLLM's own attention ops), and our prefill path syncs with the host. Runs before
-   the platform hook (4) and before vLLM fills in its defaults. Delete when the in-tree hook stops
-   depending on its backend for the size and our prefill path is capturable.
+   model gets 256 from its backend's kernel block size, ours accepts any). CUDA graphs are
+   ``FULL_DECODE_ONLY`` unless the user asks for a piecewise mode (``FULL_AND_PIECEWISE``,
+   ``PIECEWISE``) and vLLM's breakable CUDA graphs are on to run it (0.26 enables them for this
+   architecture unless ``VLLM_USE_BREAKABLE_CUDAGRAPH=0``; they need no torch.compile): our
+   attention syncs with the host on prefill steps, so it is a break of those graphs
+   (``eager_break``). vLLM's own default (FULL_AND_PIECEWISE) becomes ours once piecewise replay
+   has been checked on the GPU (tests/e2e/test_gpu_path.py). Runs before the platform hook (4) and
+   before vLLM fills in its defaults. Delete when the in-tree hook stops depending on its backend
+   for the size.
 6. Block-FP8 linear kernels (GPU path only) | ``vllm.model_executor.kernels.linear``:
    ``init_fp8_linear_kernel`` picks, for a weight shape, the kernel vLLM's own ``Fp8LinearMethod``
    would (CUDA order: FlashInfer+DeepGEMM, DeepGEMM, CUTLASS, Marlin, Triton); the kernel reads
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -148,22 +152,49 @@ def patch_model_config_hook() -> None:
             cache = vllm_config.cache_config
             if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
-            decode_graphs_only(vllm_config.compilation_config)
+            graph_modes(vllm_config.compilation_config)
 
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
 
 
-def decode_graphs_only(compilation_config) -> None:
-    """Ledger 5: full CUDA graphs for decode steps only (our decode path is capturable, prefill is not)."""
+def breakable_graphs() -> bool:
+    """Whether vLLM captures CUDA graphs with eager breaks (ledger 5): enabled by the user, or by
+    vLLM 0.26 itself for DeepSeek-V4 architectures unless the user opted out."""
+    try:
+        import vllm.compilation.breakable_cudagraph  # noqa: F401
+    except ImportError:
+        return False
+    flag = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    return flag == "1" if flag is not None else vllm_version().startswith("0.26")
+
+
+def graph_modes(compilation_config) -> None:
+    """Ledger 5: decode-only full CUDA graphs unless the user asks for piecewise ones and breakable
+    graphs run them."""
     from vllm.config import CUDAGraphMode
 
     mode = compilation_config.cudagraph_mode
-    if mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+    piecewise = mode is not None and mode.has_piecewise_cudagraphs()
+    if (piecewise and breakable_graphs()) or mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
         return
     if mode is not None:
-        logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager)",
-                       mode.name)
+        logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager "
+                       "without breakable CUDA graphs)", mode.name)
     compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+
+
+def eager_break(fn: Callable) -> Callable:
+    """``fn`` as a break of vLLM's breakable CUDA graphs (ledger 5): a piecewise capture ends its graph
+    segment there, runs ``fn`` eagerly on every replay (with the step's forward context; tensor
+    arguments at their captured addresses, outputs written into them), then starts the next segment;
+    a full-graph capture (decode steps) records ``fn`` as any other code. ``fn`` itself where vLLM
+    has no breakable graphs or they are off (vLLM decides when the wrapper is made: call this when
+    the model is built, not at import)."""
+    try:
+        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    except ImportError:
+        return fn
+    return eager_break_during_capture(fn)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], nam
     cmd, out_path = runner_command(tmp_path, name, job)
     proc = subprocess.run(cmd, env=runner_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return torch.load(out_path, weights_only=False)
+    return dict(torch.load(out_path, weights_only=False), log=proc.stdout + proc.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ asserted: it is set by the flips at near-ties.
 
 CUDA graphs: the same generation with decode steps replayed from full CUDA graphs (capture sizes up
 to the batch of 16, so the all-decode steps run the same kernels on the same shapes as eager) must
-give the same tokens and log-probs as eager.
+give the same tokens and log-probs as eager; so must a chunked-prefill generation whose mixed and
+prefill steps replay piecewise graphs.
 """
 
 import os
@@ -102,6 +103,28 @@ def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, gpu_eager
             print(f"prompt {i}: first different token at step {same}; max |logprob difference| up to it {before:.3g}")
     assert [g["tokens"] for g in graphs] == [e["tokens"] for e in eager]
     assert worst <= 1e-5
+
+
+def test_piecewise_graphs_match_eager(tmp_path_factory, ktiny_ckpt):
+    """Chunked prefill in 64-token steps, so mixed and prefill steps fit the captured sizes, replayed
+    from piecewise CUDA graphs (vLLM's breakable graphs: captured segments around our attention,
+    which runs eagerly with the step's metadata) against eager. Every step size up to 64 is captured,
+    so no step is padded and each runs the kernels eager runs on the same shapes: tokens and
+    log-probs must be identical."""
+    engine = dict(ENGINE, dtype="bfloat16", max_num_batched_tokens=64, enable_chunked_prefill=True)
+    job = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}]
+    eager = run_vllm(tmp_path_factory.mktemp("pw_eager"), ktiny_ckpt, engine, job, "pw_eager", max_tokens=64)
+    graphs = run_vllm(tmp_path_factory.mktemp("pw_graphs"), ktiny_ckpt,
+                      dict(engine, enforce_eager=False,
+                           compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE",
+                                               "cudagraph_capture_sizes": list(range(1, 65))}),
+                      job, "pw_graphs", env={"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, max_tokens=64)
+    assert "Breakable CUDA graph enabled" in graphs["log"] and "PIECEWISE" in graphs["log"]
+    eager, graphs = eager["batches"][0], graphs["batches"][0]
+    worst = max(float((g["logprobs"] - e["logprobs"]).abs().max()) for g, e in zip(graphs, eager))
+    print(f"piecewise CUDA graphs vs eager: max |logprob difference| {worst:.3g} over {len(PROMPTS)} x 64 steps")
+    assert [g["tokens"] for g in graphs] == [e["tokens"] for e in eager]
+    assert worst == 0
 
 
 def dense_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from vllm_dsv4 import ops
+from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.kv.layout import fp8_entries, layer_components
 from vllm_dsv4.model.cache import CacheLayer
@@ -79,24 +79,38 @@ class Attention(nn.Module):
         if ratio == 4:
             self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"], max_model_len)
         self.max_c128_entries = -(-max_model_len // 128)
+        self._attend = compat.eager_break(self._attend_eager)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, D] post-attn_norm -> [T, D]."""
-        md = self.swa_cache.metadata()
-        if md is None:  # vLLM's profile / dummy run: no cache bound to this step
-            return torch.zeros_like(x)
+        """x [T, D] post-attn_norm -> [T, D]. The projections depend on x only; what reads or writes
+        the step's caches runs in ``_attend``, where a breakable CUDA graph breaks (compat.eager_break):
+        piecewise graphs of mixed and prefill steps capture the rest."""
         num_tokens = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.norm_rope_tail(q, positions, self.inv_freq, self.eps)  # [T, H, d], per-head norm then RoPE
+        o = torch.empty_like(q)
+        self._attend(x, q_latent, q, self.wkv(x), positions, o)
+        return self.wo_b(self._out_proj(o, positions))
+
+    def _attend_eager(self, x, q_latent, q, kv, positions, o) -> None:
+        """Insert this step's KV, compress, pick C4 entries and attend: o [T, H, d] written in place
+        (zeros in vLLM's profile and dummy runs, which bind no cache, and in rows past the step's
+        tokens: a piecewise graph pads the step to its captured size)."""
+        md = self.swa_cache.metadata()
+        num_tokens = 0 if md is None else md.token_to_req.shape[0]
+        o[num_tokens:].zero_()
+        if not num_tokens:
+            return
+        x, q_latent, q, kv, positions = x[:num_tokens], q_latent[:num_tokens], q[:num_tokens], kv[:num_tokens], \
+            positions[:num_tokens]
         req = md.token_to_req  # [T], -1 for padding
-        self.swa_cache.insert(md, self.wkv(x), self.kv_norm, positions, self.inv_freq, req, positions)
+        self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, req, positions)
         main = None
         if self.ratio:  # every write of this step lands before any read
             self.compressor(x, positions)
             entries = self._compressed_entries(md, x, q_latent, positions)  # [T, K], -1 where none
             main = self.main_cache.source(self.main_cache.metadata())
-        o = torch.empty_like(q)
         for start in range(0, num_tokens, QUERY_CHUNK):
             rows = slice(start, start + QUERY_CHUNK)
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
@@ -105,7 +119,6 @@ class Attention(nn.Module):
             o[rows] = ops.sparse_attn_cached(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
                                              self._window(positions[rows]), main,
                                              entries[rows] if self.ratio else None)
-        return self.wo_b(self._out_proj(o, positions))
 
     def _window(self, positions):
         """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
