@@ -41,7 +41,8 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    default once its GPU test and the benchmark have run.
 8. FlashMLA sparse FP8 attention (GPU path) | ``vllm.v1.attention.ops.flashmla``:
    ``flash_mla_with_kvcache`` (sparse mode: ``indices`` + ``extra_k_cache``, ``attn_sink``,
-   ``topk_length``) and ``FlashMLASchedMeta``, present when ``is_flashmla_sparse_supported()``
+   ``topk_length``) and ``FlashMLASchedMeta`` for decode, ``flash_mla_sparse_fwd`` (bf16 keys, indices,
+   ``attn_sink``) for prefill, present when ``is_flashmla_sparse_supported()``
    (Hopper and Blackwell builds) | not on CPU | ``flashmla_sparse()`` returns them or None; our
    Triton attention runs otherwise | delete when both versions ship the same module.
 """
@@ -294,11 +295,11 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
     return BlockFp8Gemm("triton", run)
 
 
-@functools.lru_cache(maxsize=None)
 @functools.cache
 def flashmla_sparse() -> SimpleNamespace | None:
-    """Ledger 8: vLLM's vendored FlashMLA sparse decode (``flash_mla_with_kvcache``, ``FlashMLASchedMeta``),
-    or None where this build or device has none."""
+    """Ledger 8: vLLM's vendored FlashMLA sparse decode (``attend``: ``flash_mla_with_kvcache``,
+    ``SchedMeta``) and prefill (``prefill``: ``flash_mla_sparse_fwd``) kernels, or None where this build
+    or device has none."""
     try:
         from vllm.v1.attention.ops import flashmla
     except ImportError:
@@ -307,7 +308,8 @@ def flashmla_sparse() -> SimpleNamespace | None:
     if not supported:
         logger.info("vllm-dsv4: FlashMLA sparse attention unavailable (%s); using the Triton kernel", reason)
         return None
-    return SimpleNamespace(attend=flashmla.flash_mla_with_kvcache, SchedMeta=flashmla.FlashMLASchedMeta)
+    return SimpleNamespace(attend=flashmla.flash_mla_with_kvcache, SchedMeta=flashmla.FlashMLASchedMeta,
+                           prefill=flashmla.flash_mla_sparse_fwd)
 
 
 def _warn_once(message: str) -> None:

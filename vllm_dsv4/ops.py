@@ -6,7 +6,9 @@ path. Same names and signatures either way. Ops without a kernel yet use the ref
 ``VLLM_DSV4_OPS=reference`` forces the references on a GPU too (to bisect a kernel against them).
 ``block_fp8_gemm(weight, scale)`` binds one loaded FP8 weight to its GEMM: vLLM's block-FP8 kernel
 (compat.py, ledger 6) with CUDA, ``csrc_triton/fp8_linear_ref.py`` otherwise. Attention over the
-caches runs FlashMLA's sparse kernel where it applies (attention/flashmla.py, falling back to ours);
+caches runs FlashMLA's sparse kernels where they apply (attention/flashmla.py, falling back to ours):
+``sparse_attn_cached`` for decode steps (graph-capturable), ``sparse_attn_prefill`` (same semantics,
+FlashMLA's prefill kernel, host syncs) for the others;
 ``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` opts into vLLM's
 Marlin MoE; ``VLLM_DSV4_OUT_PROJ`` picks ``wo_a``'s path (``auto``: by step size).
 """
@@ -51,9 +53,11 @@ if USE_KERNELS:
     from vllm_dsv4.compat import block_fp8_gemm
 
     if ATTN_BACKEND == "flashmla":
-        from vllm_dsv4.attention.flashmla import sparse_attn_cached
+        from vllm_dsv4.attention.flashmla import sparse_attn_cached, sparse_attn_prefill
     else:
         from csrc_triton.sparse_attn import sparse_attn_cached
+
+        sparse_attn_prefill = sparse_attn_cached
 else:
     from csrc_triton.compressor_ref import compress_windows, write_state_rows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm
@@ -67,6 +71,8 @@ else:
     from csrc_triton.rope_ref import apply_rope_tail, norm_rope_tail
     from csrc_triton.routing_ref import route, swiglu_clamped
     from csrc_triton.sparse_attn_ref import sparse_attn_cached
+
+    sparse_attn_prefill = sparse_attn_cached
 
 __all__ = [
     "apply_rope_tail",
@@ -86,6 +92,7 @@ __all__ = [
     "rope_inv_freq",
     "route",
     "sparse_attn_cached",
+    "sparse_attn_prefill",
     "swiglu_clamped",
     "write_state_rows",
 ]

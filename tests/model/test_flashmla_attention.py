@@ -1,5 +1,7 @@
 """FlashMLA sparse attention (attention/flashmla.py) against our Triton kernel, its oracle (its
-slot-to-cache-index mapping: tests/csrc_triton/test_cache_index_kernel.py).
+slot-to-cache-index mapping: tests/csrc_triton/test_cache_index_kernel.py), for decode steps (the FP8
+decode kernel on the caches) and prefill steps (the prefill kernel on ``gather_slots``' bf16 buffer,
+whose slot-to-buffer mapping is checked on the CPU against the reference's reads).
 
 The GPU cases read FP8 caches in FlashMLA's layout as the model fills them (written by the
 reference writer, kv_pack_ref.main_page_parts): V4-Flash C4 and C128 decode, window-only layers,
@@ -97,3 +99,46 @@ def test_layers_of_a_kind_share_one_plan():
         args = (q, sink, scale, req, window, window_entries, main, main_entries)
         assert_close(flashmla.sparse_attn_cached(*args), triton_attn(*args), torch.bfloat16)
     assert list(plans) == ["flashmla"] and plans["flashmla"].have_initialized
+
+
+@pytest.mark.parametrize("fp8", [None, V4], ids=["raw", "fp8"])
+@pytest.mark.parametrize("main_k", [None, 24], ids=["window-only", "compressed"])
+def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k):
+    """Every valid slot's index points at the entry the reference reads for it, empty slots and padding
+    rows at -1, and the buffer holds each request's span once."""
+    from csrc_triton.kv_cache_ref import read_entries
+
+    q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
+        12, 2, 64 if fp8 is None else 512, 6, main_k, fp8, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40))
+    sources = [(window, window_entries)] + ([(main, main_entries)] if main is not None else [])
+    kv, indices = flashmla.gather_slots(req, sources, torch.bfloat16)
+    assert indices.dtype == torch.int32 and indices.shape == (12, sum(e.shape[1] for _, e in sources))
+    column = 0
+    spans = 0
+    for src, entries in sources:
+        idx = indices[:, column : column + entries.shape[1]].long()
+        valid = (entries >= 0) & (req[:, None] >= 0)
+        assert (idx[~valid] == -1).all() and (idx[valid] >= 0).all()
+        want = read_entries(src.view, src.block_table, req.clamp(min=0)[:, None].expand_as(entries)[valid],
+                            entries[valid], src.entries_per_block, src.fp8, torch.bfloat16)
+        assert torch.equal(kv[idx[valid]], want)
+        for r in req[req >= 0].unique():
+            named = entries[(req == r)[:, None] & valid]
+            spans += int(named.max() - named.min() + 1) if named.numel() else 0
+        column += entries.shape[1]
+    assert kv.shape[0] == spans
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
+                    reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
+@pytest.mark.parametrize("T, H, W, K, E, entries, visible", CASES)
+def test_flashmla_prefill_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
+    from csrc_triton.sparse_attn import sparse_attn_cached as triton_attn
+
+    q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
+        T, H, 512, W, K, V4, torch.bfloat16, E=E, entries=entries, visible=visible, device="cuda")
+    window, main = _aligned(window), main and _aligned(main)
+    args = (q, sink, scale, req, window, window_entries, main, main_entries)
+    out = flashmla.sparse_attn_prefill(*args)
+    assert_close(out, triton_attn(*args), torch.bfloat16)
+    assert (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot

@@ -17,6 +17,13 @@ fixed-width list costs only its visible entries. The scheduler metadata (one sma
 once per step, query chunk and layer kind: it depends on the slot lists' shapes and lengths only,
 which the layers of a kind share (model/attention.py), not on the picks. A CUDA graph captures the
 planning call of the first layer of each kind and replays it.
+
+Prefill and mixed steps (``sparse_attn_prefill``) run FlashMLA's sparse prefill kernel instead,
+which reads bf16 keys by index from one buffer: ``gather_slots`` decodes, per request of the step,
+the span of entries its queries' slot lists name (window: the positions from the first query's
+window start to the last query; compressed: the lowest to the highest pick) once into that buffer
+and turns every slot into an index of it. The spans are read on the host (one small copy), which a
+prefill step may do: it is never captured whole (vLLM's piecewise graphs break around attention).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import logging
 import torch
 from torch import Tensor
 
-from csrc_triton import sparse_attn
+from csrc_triton import kv_cache, kv_cache_ref, sparse_attn
 from csrc_triton.cache_index import global_slots
 from csrc_triton.sparse_attn_ref import CacheSource
 from vllm_dsv4 import compat
@@ -119,3 +126,66 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
                         is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in, out=out,
                         **extra)
     return out[:, 0, :H]
+
+
+def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The entries that slot lists name, decoded once: ``(kv [S, d] in dtype, indices [T, n] int32)``.
+
+    ``sources``: (cache, entries ``[T, n_i]``, -1 for an empty slot) pairs whose slots are laid side by
+    side in ``indices`` (``n = sum n_i``); slot j of query t names ``kv[indices[t, j]]``, which is entry
+    ``entries[t, j]`` of request ``req[t]`` of its cache as ``kv_cache_ref.read_entries`` decodes it, or
+    -1 (an empty slot, or ``req[t] < 0``). Per cache and request, ``kv`` holds the span from the lowest
+    to the highest entry the request's queries name, once.
+    """
+    read = kv_cache.read_entries if req.is_cuda else kv_cache_ref.read_entries
+    live = req[:, None] >= 0
+    pieces, indices, offset = [], [], 0
+    for src, entries in sources:
+        valid = (entries >= 0) & live  # [T, n]
+        r = req.clamp(min=0)[:, None].expand_as(entries).long()  # [T, n]
+        num_req = src.block_table.shape[0]
+        lo = torch.full((num_req,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=req.device)
+        hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device)
+        lo = lo.scatter_reduce(0, r[valid], entries[valid].long(), "amin")
+        hi = hi.scatter_reduce(0, r[valid], entries[valid].long(), "amax")
+        lo_host, hi_host = lo.cpu(), hi.cpu()  # the spans: one small copy (prefill steps only)
+        counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
+        start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
+        span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
+        span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
+        if span_req.numel():
+            pieces.append(read(src.view, src.block_table, span_req.to(req.device), span_entry.to(req.device),
+                               src.entries_per_block, src.fp8, dtype))  # [S_i, d]
+        base = (start.to(req.device) - lo.clamp(max=1 << 62))[r]  # [T, n] kv row of entry 0's place
+        indices.append(torch.where(valid, base + entries, -1))
+        offset += int(counts.sum())
+    if not pieces:
+        return torch.empty(0, 0, dtype=dtype, device=req.device), torch.cat(indices, 1).int()
+    return torch.cat(pieces), torch.cat(indices, 1).int()
+
+
+def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
+                        window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+    """:func:`sparse_attn_cached`'s semantics through FlashMLA's sparse prefill kernel over
+    :func:`gather_slots`' buffer (module doc); the Triton kernel where FlashMLA does not apply.
+    Synchronises with the host: not for CUDA-graph capture."""
+    reason = why_not(q, window, main)
+    if reason:
+        _log_fallback(reason)
+        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
+    T, H, d = q.shape
+    sources = [(window, window_entries)] + ([(main, main_entries)] if main is not None else [])
+    kv, indices = gather_slots(req, sources, q.dtype)
+    if T == 0 or kv.shape[0] == 0:  # no slot anywhere: every row attends nothing
+        return torch.zeros_like(q)
+    width = -(-indices.shape[1] // SLOT_ALIGN) * SLOT_ALIGN
+    indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]), value=-1)
+    heads = _padded_heads(H)
+    q_in = q.new_zeros(T, heads, d)
+    q_in[:, :H] = q
+    sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
+    sink_in[:H] = sink
+    out = torch.empty(T, heads, d, dtype=q.dtype, device=q.device)
+    compat.flashmla_sparse().prefill(q=q_in, kv=kv.unsqueeze(1), indices=indices.unsqueeze(1), sm_scale=scale,
+                                     d_v=d, attn_sink=sink_in, out=out)
+    return out[:, :H]

@@ -111,14 +111,14 @@ class Attention(nn.Module):
             self.compressor(x, positions)
             entries = self._compressed_entries(md, x, q_latent, positions)  # [T, K], -1 where none
             main = self.main_cache.source(self.main_cache.metadata())
+        attend = ops.sparse_attn_cached if md.decode_only else ops.sparse_attn_prefill
         for start in range(0, num_tokens, QUERY_CHUNK):
             rows = slice(start, start + QUERY_CHUNK)
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
             window = self.swa_cache.source(md, md.plans.setdefault((start, self.ratio), {}))
-            o[rows] = ops.sparse_attn_cached(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                                             self._window(positions[rows]), main,
-                                             entries[rows] if self.ratio else None)
+            o[rows] = attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
+                             self._window(positions[rows]), main, entries[rows] if self.ratio else None)
 
     def _window(self, positions):
         """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
