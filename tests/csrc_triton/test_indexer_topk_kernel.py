@@ -35,6 +35,16 @@ pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
 GPU = pytest.mark.gpu
 
 
+@pytest.fixture(params=[False, True], ids=["query-tiles", "shared-tiles"])
+def key_tiles(request, monkeypatch):
+    """Run the score kernel with one query per key tile, or (as prefill-sized calls do) eight
+    neighbouring queries sharing one where their keys are the same."""
+    if request.param:
+        from csrc_triton import indexer_topk as module
+
+        monkeypatch.setattr(module, "PREFILL_QUERIES", 1)
+
+
 def _ramp(Tq: int, N: int, step: int = 1) -> list[int]:
     return [min(N, (p + 1) // 4) for p in range(0, Tq * step, step)]
 
@@ -55,7 +65,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("num_visible, N, H, di, topk", CASES)
-def test_indexer_topk_matches_ref(num_visible, N, H, di, topk, dtype):
+def test_indexer_topk_matches_ref(num_visible, N, H, di, topk, dtype, key_tiles):
     q, weights, keys, nv, topk = indexer_args(num_visible, N, H, di, topk, dtype)
     ref_scores = indexer_ref_scores(q, weights, keys).cpu()  # [Tq, N] float64
     scale = ref_scores.abs().max().item() if ref_scores.numel() else 1.0
@@ -120,6 +130,10 @@ PAGED_CASES = [
     pytest.param([6, 2], [0, 0], 1, 6, 16, 16, 8, 4, id="topk-above-N"),
     pytest.param([130, 64, 129, 3, 65], [1, 0, 1, 2, 0], 3, 130, 16, 32, 20, 16, id="block-boundaries"),
     pytest.param([200, 150, 17, 0, 200], [3, 1, 0, -1, 2], 4, 200, 64, 128, 16, 64, id="flash-dims"),
+    # a padding row, then 20 causal queries of request 1 and 3 of request 0: key tiles shared within a
+    # request, a request change inside an 8-query block, a block led by the padding row
+    pytest.param([0] + _ramp(20, 40, 7) + [40, 33, 12], [-1] + [1] * 20 + [0] * 3, 2, 40, 16, 32, 6, 8,
+                 id="prefill-chunks"),
     pytest.param([], [], 2, 8, 16, 16, 4, 4, id="no-queries"),
     pytest.param([0, 0], [0, -1], 1, 0, 16, 16, 4, 4, id="no-entries"),
     pytest.param([8192, 8000, 4096, 513, 512, 511, 100, 0, 8192, 3000, 1, 7000, 8192, 64, 65, 8192],
@@ -138,7 +152,7 @@ def _paged_scores(q, weights, view, bt, req, E, fp8, N) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", PAGED_KINDS)
 @pytest.mark.parametrize("num_visible, req, R, N, H, di, topk, E", PAGED_CASES)
-def test_indexer_topk_paged_matches_ref(num_visible, req, R, N, H, di, topk, E, kind):
+def test_indexer_topk_paged_matches_ref(num_visible, req, R, N, H, di, topk, E, kind, key_tiles):
     use_fp8, dtype = PAGED_KINDS[kind]
     args = indexer_paged_args(num_visible, req, R, N, H, di, topk, E, Fp8Entry(di, None) if use_fp8 else None, dtype)
     q, weights, view, bt, req_t, nv, E, fp8, topk, N = args
