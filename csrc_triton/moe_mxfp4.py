@@ -231,8 +231,10 @@ def moe_experts_mxfp4(
     w2: Tensor,
     w2_scale: Tensor,
     swiglu_limit: float,
+    config: dict | None = None,
 ) -> Tensor:
-    """Triton :func:`moe_mxfp4_ref.moe_experts_mxfp4` (same arguments and result).
+    """Triton :func:`moe_mxfp4_ref.moe_experts_mxfp4` (same arguments and result); ``config``
+    overrides ``_config``'s tiles (scripts/bench_kernels.py times others against them).
 
     Args:
         x: ``[T, D]`` fp32 / bf16 / fp16.
@@ -265,7 +267,7 @@ def moe_experts_mxfp4(
     x = x.contiguous()
     ids = ids.contiguous()
     rw = weights.to(torch.float32).contiguous()  # [T, k]
-    cfg = _config(T * k, E, x.dtype)
+    cfg = dict(config or _config(T * k, E, x.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     pair_of_row, block_expert = _align(ids, E, bm)
     num_blocks = block_expert.numel()

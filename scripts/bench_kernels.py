@@ -170,8 +170,17 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         from vllm_dsv4 import compat
 
         x, weights, ids, w13, w13_scale, w2, w2_scale, limit = inputs
+        from csrc_triton.moe_mxfp4 import _config, moe_experts_mxfp4
+
         marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
-        return {"marlin": lambda: marlin(x, weights, ids)}
+        # other tiles of our kernel at decode sizes, named nBLOCK_N kBLOCK_K wWARPS sSTAGES
+        chosen = _config(ids.numel(), w13.shape[0], x.dtype)
+        sweep = [dict(chosen, BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, w, st in
+                 ((64, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 8, 5), (64, 256, 8, 3))]
+        tiled = {f"n{c['BLOCK_N']}k{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}":
+                 (lambda c=c: moe_experts_mxfp4(x, weights, ids, w13, w13_scale, w2, w2_scale, limit, config=c))
+                 for c in sweep if chosen["BLOCK_M"] == 16 and c != chosen}
+        return {"marlin": lambda: marlin(x, weights, ids)} | tiled
     return {}
 
 

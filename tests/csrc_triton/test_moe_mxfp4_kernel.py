@@ -83,3 +83,12 @@ def test_moe_experts_mxfp4_int32_ids_and_e8m0_scales():
     out = moe_experts_mxfp4(x, weights, ids.int(), w13.view(torch.int8), s13.view(torch.float8_e8m0fnu),
                             w2.view(torch.int8), s2.view(torch.float8_e8m0fnu), limit)
     assert_close(out, ref, x.dtype)
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
+                                    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)],
+                         ids=["narrow", "wide"])
+def test_moe_mxfp4_other_tiles_match_ref(config):
+    """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
+    args = moe_mxfp4_args(5, 64, 64, 4, 2, torch.bfloat16)
+    assert_close(moe_experts_mxfp4(*args, config=config), moe_experts_mxfp4_ref(*args), torch.bfloat16)
