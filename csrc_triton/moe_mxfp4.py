@@ -3,10 +3,12 @@
 Matches :func:`moe_mxfp4_ref.moe_experts_mxfp4` (= :func:`routing_ref.moe_experts` on the decoded
 weights) without ever materialising a decoded weight: the codes are decoded in registers.
 
-1. Bookkeeping (torch, no host sync): the ``T*k`` (token, slot) pairs are sorted by expert, skipped
-   ids (``E_local``, or anything outside ``[0, E_local)``) dropped, and each expert's rows padded to
-   ``BLOCK_M``; ``block_expert[b]`` is the expert of row block b (-1 past the last one). The grid is
-   sized by a bound (``cdiv(T*k, BLOCK_M) + min(E_local, T*k)`` blocks), not by the routing.
+1. ``align_pairs`` (two small kernels, no host sync; semantics: ``moe_mxfp4_ref.align_pairs``): the
+   ``T*k`` (token, slot) pairs are grouped by expert, skipped ids (``E_local``, or anything outside
+   ``[0, E_local)``) dropped, and each expert's rows padded to ``BLOCK_M``; ``block_expert[b]`` is
+   the expert of row block b (-1 past the last one). The grid is sized by a bound
+   (``cdiv(T*k, BLOCK_M) + min(E_local, T*k)`` blocks), not by the routing. It replaces a dozen
+   PyTorch launches (count, cumsum, searchsorted, sort, scatter) per MoE call of a decode step.
 2. ``_w13_swiglu_kernel``: per (row block, block of I columns) ``[x W1_e^T | x W3_e^T]`` over the
    gathered token rows, fused with :func:`routing_ref.swiglu_clamped`; h is stored in ``x.dtype``.
 3. ``_w2_kernel``: ``h W2_e^T`` times the routing weight, in fp32, written to the pair's row.
@@ -194,32 +196,52 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def _align(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """Sort the (token, slot) pairs by expert into ``BLOCK_M``-row blocks, without a host sync.
+@triton.jit
+def _expert_counts_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr):
+    """counts[e] += the pairs routed to local expert e (E: skipped ids, anything outside [0, E))."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
+    e = tl.where((e >= 0) & (e < E), e, E)
+    tl.atomic_add(counts_ptr + e, 1, mask=j < P)
 
-    Returns:
-        ``pair_of_row [num_blocks * BLOCK_M]`` int32 pair index ``t * k + j`` (-1 on padding) and
-        ``block_expert [num_blocks]`` int32 (-1 past the used blocks), with ``num_blocks`` the bound
-        ``cdiv(P, BLOCK_M) + min(E, P)`` on ``sum_e ceil(count_e / BLOCK_M)``.
-    """
+
+@triton.jit
+def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, pair_of_row_ptr, block_expert_ptr, P, E, num_blocks,
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each pair to a row of its expert's BLOCK_M-row blocks (a slot taken by atomic increment: the
+    order within an expert varies, each row's result does not); the first programs also write
+    block_expert."""
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [BE]
+    block_end = tl.cumsum(blocks, 0)  # [BE]
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
+    live = (j < P) & (e >= 0) & (e < E)
+    # first row of e's blocks: BLOCK_M * (blocks of the experts before e)
+    start = tl.sum(tl.where(ex[None, :] < e[:, None], blocks[None, :], 0), 1) * BLOCK_M  # [BLOCK]
+    slot = tl.atomic_add(cursor_ptr + tl.where(live, e, 0), 1, mask=live)
+    tl.store(pair_of_row_ptr + start + slot, j.to(tl.int32), mask=live)
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # this program's share of the blocks
+    expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # [BLOCK] experts ending by b
+    tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
+
+
+def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """Triton :func:`moe_mxfp4_ref.align_pairs` (same arguments and result, up to the order of the
+    pairs within each expert's rows); no host sync."""
     E, P, dev = num_experts, ids.numel(), ids.device
-    flat = ids.reshape(-1).long()  # [P]
-    flat = torch.where((flat >= 0) & (flat < E), flat, E)  # [P] E = skipped
-    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))  # [E+1]
-    blocks = (counts[:E] + block_m - 1) // block_m  # [E]
-    block_end = torch.cumsum(blocks, 0)  # [E]
     num_blocks = triton.cdiv(P, block_m) + min(E, P)
-    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=dev), right=True)  # [NB]
-    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
-    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
-    sorted_e = flat[order]  # [P]
-    first = torch.cumsum(counts, 0) - counts  # [E+1] first sorted position of each expert
-    row_start = torch.cat([block_end - blocks, block_end.new_zeros(1)]) * block_m  # [E+1]
-    row = row_start[sorted_e] + torch.arange(P, device=dev) - first[sorted_e]  # [P] padded row
-    row = torch.where(sorted_e < E, row, num_blocks * block_m)  # skipped pairs -> a spare last row
-    pair_of_row = torch.full((num_blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
-    pair_of_row[row] = order.to(torch.int32)
-    return pair_of_row[:-1], block_expert
+    scratch = torch.zeros(2, E + 1, dtype=torch.int32, device=dev)  # counts, cursors
+    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    flat = ids.reshape(-1)
+    block = 128
+    grid = (triton.cdiv(max(P, num_blocks), block),)
+    _expert_counts_kernel[(triton.cdiv(P, block),)](flat, scratch[0], P, E, BLOCK=block)
+    _place_pairs_kernel[grid](flat, scratch[0], scratch[1], pair_of_row, block_expert, P, E, num_blocks,
+                              BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E + 1))
+    return pair_of_row, block_expert
 
 
 def moe_experts_mxfp4(
@@ -269,7 +291,7 @@ def moe_experts_mxfp4(
     rw = weights.to(torch.float32).contiguous()  # [T, k]
     cfg = dict(config or _config(T * k, E, x.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    pair_of_row, block_expert = _align(ids, E, bm)
+    pair_of_row, block_expert = align_pairs(ids, E, bm)
     num_blocks = block_expert.numel()
     # The interpreter truncates fp32 -> bf16 (triton 3.9): a biased h would test nothing, so there it stays fp32.
     h_dtype = torch.float32 if _INTERPRETED else x.dtype

@@ -88,3 +88,32 @@ def moe_experts_mxfp4(
         w2_f = decode_mxfp4(w2[group], w2_scale[group])  # [G, D, I]
         out += moe_experts(xf, weights, compact[ids], w13_f, w2_f, swiglu_limit)
     return out.to(x.dtype)
+
+
+def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """The (token, slot) pairs grouped by expert into ``block_m``-row blocks (the MXFP4 MoE kernels' row
+    layout, csrc_triton/moe_mxfp4.py), in pair order within an expert.
+
+    Returns:
+        ``pair_of_row [num_blocks * BLOCK_M]`` int32 pair index ``t * k + j`` (-1 on padding) and
+        ``block_expert [num_blocks]`` int32 (-1 past the used blocks), with ``num_blocks`` the bound
+        ``cdiv(P, BLOCK_M) + min(E, P)`` on ``sum_e ceil(count_e / BLOCK_M)``.
+    """
+    E, P, dev = num_experts, ids.numel(), ids.device
+    flat = ids.reshape(-1).long()  # [P]
+    flat = torch.where((flat >= 0) & (flat < E), flat, E)  # [P] E = skipped
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))  # [E+1]
+    blocks = (counts[:E] + block_m - 1) // block_m  # [E]
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    num_blocks = -(-P // block_m) + min(E, P)
+    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=dev), right=True)  # [NB]
+    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
+    sorted_e = flat[order]  # [P]
+    first = torch.cumsum(counts, 0) - counts  # [E+1] first sorted position of each expert
+    row_start = torch.cat([block_end - blocks, block_end.new_zeros(1)]) * block_m  # [E+1]
+    row = row_start[sorted_e] + torch.arange(P, device=dev) - first[sorted_e]  # [P] padded row
+    row = torch.where(sorted_e < E, row, num_blocks * block_m)  # skipped pairs -> a spare last row
+    pair_of_row = torch.full((num_blocks * block_m + 1,), -1, dtype=torch.int32, device=dev)
+    pair_of_row[row] = order.to(torch.int32)
+    return pair_of_row[:-1], block_expert

@@ -92,3 +92,27 @@ def test_moe_mxfp4_other_tiles_match_ref(config):
     """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
     args = moe_mxfp4_args(5, 64, 64, 4, 2, torch.bfloat16)
     assert_close(moe_experts_mxfp4(*args, config=config), moe_experts_mxfp4_ref(*args), torch.bfloat16)
+
+
+# (T, k, E, BLOCK_M): decode (one block per hit expert), several blocks per expert, more experts than pairs
+@pytest.mark.parametrize("T, k, E, block_m", [(1, 6, 256, 16), (16, 6, 8, 16), (300, 6, 16, 64), (3, 2, 64, 16)])
+def test_align_pairs_matches_ref(T, k, E, block_m):
+    """The same blocks per expert (block_expert equal) holding the same pairs, padding and skipped ids
+    (E itself, negative, past E) dropped; the order of an expert's pairs in its rows is free."""
+    from csrc_triton.moe_mxfp4 import align_pairs
+    from csrc_triton.moe_mxfp4_ref import align_pairs as align_pairs_ref
+    from tests.csrc_triton.kernel_cases import DEVICE
+
+    g = torch.Generator().manual_seed(T * k + E)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids.view(-1)[:: 5] = E  # skipped slots
+    ids.view(-1)[1] = -3
+    ids.view(-1)[-1] = E + 7
+    pair_of_row, block_expert = align_pairs(ids.to(DEVICE), E, block_m)
+    want_pairs, want_blocks = align_pairs_ref(ids, E, block_m)
+    assert torch.equal(block_expert.cpu(), want_blocks)
+    rows, want_rows = pair_of_row.cpu().view(-1, block_m), want_pairs.view(-1, block_m)
+    for e in range(E):
+        mine = block_expert.cpu() == e
+        assert torch.equal(rows[mine].flatten().sort().values, want_rows[mine].flatten().sort().values), e
+    assert (rows[block_expert.cpu() < 0] == -1).all()
