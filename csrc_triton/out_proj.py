@@ -39,8 +39,8 @@ BLOCK_K = 128  # activation group = weight block
 @triton.jit
 def _rope_out_proj_kernel(
     o_ptr, cos_ptr, sin_ptr, w_ptr, ws_ptr, out_ptr,
-    T, heads_per_group, d, nope, half_r, R,
-    s_ot, s_oh, s_od, s_wn, s_wk, s_sn, s_sk, s_yt, s_yn,
+    T, heads_per_group, d, nope, half_r, R, k_split,
+    s_ot, s_oh, s_od, s_wn, s_wk, s_sn, s_sk, s_ys, s_yt, s_yn,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -57,7 +57,10 @@ def _rope_out_proj_kernel(
     cos_tail = tl.load(cos_ptr + trig, mask=tail, other=1.0)
     sin_tail = tl.load(sin_ptr + trig, mask=tail, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, heads_per_group * d, BLOCK_K):  # no branch in the body: Triton pipelines its loads
+    # split-K programs (axis 2) take k_split channels each and store fp32 partial sums (the launcher adds them)
+    k_begin = tl.program_id(2) * k_split
+    k_end = tl.minimum(k_begin + k_split, heads_per_group * d)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # no branch in the body: Triton pipelines its loads
         head = g * heads_per_group + k0 // d
         ch = k0 % d + c  # [BK] channel within the head
         x = tl.load(o_ptr + m[:, None].to(tl.int64) * s_ot + head * s_oh + ch[None, :] * s_od,
@@ -81,7 +84,7 @@ def _rope_out_proj_kernel(
         else:  # round to nearest even, as torch's cast
             part = tl.dot(v.to(tl.float8e4nv), tl.trans(w))
         acc += part * scale[:, None] * w_scale[None, :]
-    out = out_ptr + m[:, None].to(tl.int64) * s_yt + n[None, :] * s_yn
+    out = out_ptr + tl.program_id(2) * s_ys + m[:, None].to(tl.int64) * s_yt + n[None, :] * s_yn
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
@@ -104,26 +107,30 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
                   groups: int, tiles: dict | None = None) -> Tensor:
     """Triton :func:`out_proj_ref.rope_out_proj` (same arguments and result; shapes as ``fits``);
     ``tiles`` overrides :func:`default_tiles` (``BLOCK_M``, ``BLOCK_N`` dividing a group's rows,
-    ``num_warps``, ``num_stages``)."""
+    ``num_warps``, ``num_stages``, and ``SPLIT_K``: that many programs per output tile, each over a
+    share of the K blocks, their fp32 partial sums added in a fixed order)."""
     T, H, d = o.shape
     assert fits(o, weight, groups, 2 * inv_freq.numel()), (o.shape, weight.shape, groups, inv_freq.shape)
     assert o.dtype in (torch.bfloat16, torch.float32), o.dtype
-    N = weight.shape[0]
+    N, K = weight.shape
     out = torch.empty(T, N, dtype=o.dtype, device=o.device)
     if T == 0:
         return out
-    tiles = tiles or default_tiles(T)
+    tiles = dict(tiles or default_tiles(T))
+    split = tiles.pop("SPLIT_K", 1)
     assert (N // groups) % tiles["BLOCK_N"] == 0, (N, groups, tiles)
+    k_split = triton.cdiv(K // BLOCK_K, split) * BLOCK_K
+    partial = out[None] if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=o.device)
     # the reference's angles and cos / sin, once per token (not per output block)
     freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)  # [T, r/2]
-    _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"])](
-        o, freqs.cos(), freqs.sin(), weight, weight_scale, out,
-        T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups,
-        *o.stride(), *weight.stride(), *weight_scale.stride(), *out.stride(),
+    _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"], split)](
+        o, freqs.cos(), freqs.sin(), weight, weight_scale, partial,
+        T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups, k_split,
+        *o.stride(), *weight.stride(), *weight_scale.stride(), *partial.stride(),
         ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_K=BLOCK_K, DOT_F32=_INTERPRETED, **tiles,
         enable_fp_fusion=False,  # the rotation rounds each product as the reference does (no FMA contraction)
     )
-    return out
+    return out if split == 1 else partial.sum(0).to(o.dtype)
 
 
 _INTERPRETED = not isinstance(_rope_out_proj_kernel, JITFunction)  # its fp8 casts round wrongly

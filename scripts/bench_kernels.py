@@ -156,13 +156,15 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         linear.finish_loading()
         from csrc_triton.out_proj import default_tiles, rope_out_proj
 
-        # other tile shapes of the fused kernel, named mBLOCK_M nBLOCK_N wWARPS sSTAGES
+        # other tile shapes of the fused kernel, named mBLOCK_M nBLOCK_N wWARPS sSTAGES [kSPLIT_K]
         T, chosen = o.shape[0], default_tiles(o.shape[0])
         sweep = ([dict(chosen, BLOCK_N=n, num_warps=w, num_stages=st) for n, w, st in
-                  ((32, 4, 4), (32, 4, 6), (64, 4, 6), (64, 8, 4), (128, 8, 4))] if T <= 64 else
+                  ((32, 4, 4), (32, 4, 6), (64, 4, 6), (64, 8, 4), (128, 8, 4))]
+                 + [dict(chosen, SPLIT_K=sk) for sk in (2, 4, 8)] if T <= 64 else
                  [dict(chosen, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in
                   ((64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3))])
-        tiled = {f"m{t['BLOCK_M']}n{t['BLOCK_N']}w{t['num_warps']}s{t['num_stages']}":
+        tiled = {f"m{t['BLOCK_M']}n{t['BLOCK_N']}w{t['num_warps']}s{t['num_stages']}"
+                 + (f"k{t['SPLIT_K']}" if "SPLIT_K" in t else ""):
                  (lambda t=t: rope_out_proj(o, positions, inv_freq, weight, weight_scale, groups, tiles=t))
                  for t in sweep if t != chosen}
         return {"grouped": lambda: grouped_out_proj(o, positions, inv_freq, linear, groups)} | tiled

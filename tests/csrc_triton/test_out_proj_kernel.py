@@ -58,7 +58,10 @@ def test_rope_out_proj_reads_strided_heads():
 
 
 @pytest.mark.parametrize("tiles", [dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=6),
-                                   dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4)], ids=["n32", "m64n128"])
+                                   dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),
+                                   dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_K=2),
+                                   dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_K=3)],
+                         ids=["n32", "m64n128", "split2", "split3-uneven"])
 def test_rope_out_proj_other_tiles_match_ref(tiles):
     """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
     args = out_proj_args(70, 4, 128, 32, 2, 128, torch.bfloat16)
