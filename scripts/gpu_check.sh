@@ -9,7 +9,7 @@
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
-#   scripts/gpu_check.sh graphs        # the same generation with CUDA-graph decode vs eager (> 320 s)
+#   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager (two engine runs)
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)

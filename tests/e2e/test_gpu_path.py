@@ -27,10 +27,10 @@ a nat, we require >= 99% agreement; over all positions the mean cosine > 0.99, a
 regression guard under the measured 0.87, not a derivation). The minimum cosine is printed, not
 asserted: it is set by the flips at near-ties.
 
-CUDA graphs: the same generation with decode steps replayed from full CUDA graphs (capture sizes up
-to the batch of 16, so the all-decode steps run the same kernels on the same shapes as eager) must
-give the same tokens and log-probs as eager; so must a chunked-prefill generation whose mixed and
-prefill steps replay piecewise graphs.
+CUDA graphs: a generation of 128 tokens with decode steps replayed from full CUDA graphs (capture
+sizes up to the batch of 16, so the all-decode steps run the same kernels on the same shapes as
+eager) must give the same tokens and log-probs as eager; so must a chunked-prefill generation whose
+mixed and prefill steps replay piecewise graphs.
 """
 
 import os
@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 
 PROMPT_LENS = (3, 4, 5, 127, 128, 129, 255, 256, 257, 300, 511, 512, 513, 700, 1000, 1200)
 NEW_TOKENS = 512
+GRAPH_TOKENS = 128  # decode steps of the CUDA-graph comparisons (each replays every layer's graph code)
 COSINE_MEAN_MIN, TOP1_MIN, DECISIVE_NATS, DECISIVE_TOP1_MIN = 0.99, 0.8, 0.5, 0.99
 PROMPTS = make_prompts(PROMPT_LENS, seed=3)
 FLASH_TOP_K = 64
@@ -85,15 +86,17 @@ def both_paths(tmp_path_factory, ktiny_ckpt, gpu_eager):
     return tokens, scored_logprobs(gpu_eager, 1), scored_logprobs(ref, 0)
 
 
-def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, gpu_eager):
-    eager = gpu_eager["batches"][0]
-    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False,
-                  compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 16})
-    graphs = run_vllm(tmp_path_factory.mktemp("graphs"), ktiny_ckpt, engine,
-                      [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}], "graphs",
-                      max_tokens=NEW_TOKENS)["batches"][0]
+def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt):
+    job = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}]
+    engine = dict(ENGINE, dtype="bfloat16")
+    eager = run_vllm(tmp_path_factory.mktemp("decode_eager"), ktiny_ckpt, engine, job, "decode_eager",
+                     max_tokens=GRAPH_TOKENS)["batches"][0]
+    graphs = run_vllm(tmp_path_factory.mktemp("graphs"), ktiny_ckpt,
+                      dict(engine, enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                                            "max_cudagraph_capture_size": 16}),
+                      job, "graphs", max_tokens=GRAPH_TOKENS)["batches"][0]
     worst = max(float((g["logprobs"] - e["logprobs"]).abs().max()) for g, e in zip(graphs, eager))
-    print(f"CUDA graphs vs eager: max |logprob difference| {worst:.3g} over {len(PROMPTS)} x {NEW_TOKENS} steps")
+    print(f"CUDA graphs vs eager: max |logprob difference| {worst:.3g} over {len(PROMPTS)} x {GRAPH_TOKENS} steps")
     # Where the token streams part, the steps up to the first different token still condition on the
     # same prefix: how far apart those are tells a replay bug (large) from order-of-summation noise.
     for i, (g, e) in enumerate(zip(graphs, eager)):
