@@ -63,8 +63,9 @@ CASES = [
 
 @pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
                     reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
+@pytest.mark.parametrize("kernel", ["sparse_attn_cached", "sparse_attn_prefill"], ids=["decode", "prefill"])
 @pytest.mark.parametrize("T, H, W, K, E, entries, visible", CASES)
-def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
+def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible, kernel):
     from csrc_triton.sparse_attn import sparse_attn_cached as triton_attn
 
     q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
@@ -72,7 +73,7 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
     window, main = _aligned(window), main and _aligned(main)
     args = (q, sink, scale, req, window, window_entries, main, main_entries)
     assert flashmla.why_not(q, window, main) is None
-    out = flashmla.sparse_attn_cached(*args)
+    out = getattr(flashmla, kernel)(*args)
     ref = triton_attn(*args)
     assert_close(out, ref, torch.bfloat16)
     assert (ref[:2] == 0).all() and (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot
@@ -127,18 +128,3 @@ def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k):
             spans += int(named.max() - named.min() + 1) if named.numel() else 0
         column += entries.shape[1]
     assert kv.shape[0] == spans
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
-                    reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
-@pytest.mark.parametrize("T, H, W, K, E, entries, visible", CASES)
-def test_flashmla_prefill_matches_the_triton_kernel(T, H, W, K, E, entries, visible):
-    from csrc_triton.sparse_attn import sparse_attn_cached as triton_attn
-
-    q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
-        T, H, 512, W, K, V4, torch.bfloat16, E=E, entries=entries, visible=visible, device="cuda")
-    window, main = _aligned(window), main and _aligned(main)
-    args = (q, sink, scale, req, window, window_entries, main, main_entries)
-    out = flashmla.sparse_attn_prefill(*args)
-    assert_close(out, triton_attn(*args), torch.bfloat16)
-    assert (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot
