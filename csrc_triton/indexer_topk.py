@@ -75,8 +75,8 @@ def _indexer_scores_kernel(
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # TOKENS consecutive queries per program share one loaded (and FP8-decoded) key tile while they
-    # have the first one's keys (paged: the same request; else shared keys): a prefill chunk's queries
-    # do; a query with other keys loads its own.
+    # have the first one's keys (paged: the same request; else the launcher passes TOKENS > 1 only for
+    # shared keys): a prefill chunk's queries do; a query of another request loads its own.
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] entries
     h = tl.arange(0, BLOCK_H)
@@ -98,7 +98,7 @@ def _indexer_scores_kernel(
                 vis = (n < nv) & (n < N)  # [BN] (nv <= N is not assumed: clamp by N too)
                 k = k0
                 r = tl.load(req_ptr + t * s_r).to(tl.int64) if PAGED else 0
-                if (PAGED and r != r0) or (not PAGED and s_k0 != 0 and i > 0):
+                if PAGED and r != r0:
                     k = _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_bt0, s_bt1,
                                   PAGED, FP8, DTYPE)
                 q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + c[None, :] * s_qd,
@@ -218,11 +218,13 @@ def _select_kernel(score_ptr, nv_ptr, out_ptr, N, K, s_st, s_sn, s_ot, s_ok, BLO
             n_eq += tl.sum(eq.to(tl.int64), 0)
 
 
-def select_topk(scores: Tensor, num_visible: Tensor, k: int) -> Tensor:
+def select_topk(scores: Tensor, num_visible: Tensor, k: int, out: Tensor | None = None) -> Tensor:
     """``[T, k]`` int64: per row the indices of the ``k`` largest of ``scores[t, :num_visible[t]]``
-    (fp32 ``[T, N]``; ties to the lower index; in no particular order), then -1 in the spare slots."""
+    (fp32 ``[T, N]``; ties to the lower index; in no particular order), then -1 in the spare slots;
+    written into ``out`` when given (every slot)."""
     T, N = scores.shape
-    out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
+    out = torch.empty(T, k, dtype=torch.int64, device=scores.device) if out is None else out
+    assert out.shape == (T, k) and out.dtype == torch.int64, (out.shape, out.dtype)
     if T and k:
         _select_kernel[(T,)](scores, num_visible, out, N, k, *scores.stride(), *out.stride(), BLOCK=1024,
                              num_warps=4)
@@ -234,13 +236,13 @@ def _topk(scores_of, num_visible: Tensor, Tq: int, N: int, topk: int, device: to
     of the query slice ``rows``, chunked over Tq as the reference) over ``num_visible`` (``[Tq]`` on
     ``device``): the picks first, then -1 (attention/flashmla.py relies on it). Shapes depend on the
     arguments' shapes only."""
-    out = torch.full((Tq, topk), -1, dtype=torch.int64, device=device)  # [Tq, topk]
-    if Tq == 0 or N == 0:
-        return out
+    if N == 0:
+        return torch.full((Tq, topk), -1, dtype=torch.int64, device=device)
+    out = torch.empty(Tq, topk, dtype=torch.int64, device=device)  # [Tq, topk], every slot written
     chunk = max(1, _CHUNK_ELEMS // N)
     for s in range(0, Tq, chunk):
         rows = slice(s, s + chunk)
-        out[rows] = select_topk(scores_of(rows), num_visible[rows], topk)
+        select_topk(scores_of(rows), num_visible[rows], topk, out[rows])
     return out
 
 

@@ -45,6 +45,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from csrc_triton.moe_mxfp4_ref import MXFP4_BLOCK
+from csrc_triton.routing import swiglu_clamped_values
 
 
 @triton.jit
@@ -116,10 +117,7 @@ def _w13_swiglu_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 32
-    # routing_ref.swiglu_clamped: the gate is clamped from above only.
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up  # [BM, BN]
+    h = swiglu_clamped_values(gate, up, limit)  # [BM, BN]
     tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + n[None, :], h.to(h_ptr.dtype.element_ty))
 
 

@@ -127,15 +127,22 @@ def route(
 
 
 @triton.jit
+def swiglu_clamped_values(gate, up, limit):
+    """fp32 :func:`routing_ref.swiglu_clamped` of the two halves (the gate clamped from above only);
+    also the routed experts' activation (moe_mxfp4.py)."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, inter, limit, s_xt, s_ot, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < inter
     gate = tl.load(x_ptr + t * s_xt + c, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * s_xt + inter + c, mask=ok, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    tl.store(out_ptr + t * s_ot + c, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t * s_ot + c, swiglu_clamped_values(gate, up, limit).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def swiglu_clamped(gate_up: Tensor, limit: float) -> Tensor:

@@ -104,7 +104,7 @@ def test_layers_of_a_kind_share_one_plan():
 
 @pytest.mark.parametrize("fp8", [None, V4], ids=["raw", "fp8"])
 @pytest.mark.parametrize("main_k", [None, 24], ids=["window-only", "compressed"])
-def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k):
+def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, cpu_ops):
     """Every valid slot's index points at the entry the reference reads for it, empty slots and padding
     rows at -1, and the buffer holds each request's span once."""
     from csrc_triton.kv_cache_ref import read_entries

@@ -34,7 +34,7 @@ import logging
 import torch
 from torch import Tensor
 
-from csrc_triton import kv_cache, kv_cache_ref, sparse_attn
+from csrc_triton import sparse_attn
 from csrc_triton.cache_index import global_slots
 from csrc_triton.sparse_attn_ref import CacheSource
 from vllm_dsv4 import compat
@@ -87,6 +87,20 @@ def _plan(window: CacheSource, flashmla):
     return window.plans.setdefault("flashmla", flashmla.SchedMeta())
 
 
+def _padded_queries(q: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """``(q [T, heads, d], sink [heads] fp32)`` with the heads FlashMLA takes (64 or 128): the extra
+    heads are zero queries with sink 0; q itself where it already fits."""
+    T, H, d = q.shape
+    heads = _padded_heads(H)
+    if heads == H and q.stride(-1) == 1:
+        return q, sink.float().contiguous()
+    q_in = q.new_zeros(T, heads, d)
+    q_in[:, :H] = q
+    sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
+    sink_in[:H] = sink
+    return q_in, sink_in
+
+
 def _cache_indices(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
     """``([T, 1, K'] int32 global cache indices, [T] int32 lengths)`` of the slot lists (cache_index.py)."""
     index, lengths = global_slots(src.block_table, src.entries_per_block, req, entries, SLOT_ALIGN)
@@ -105,14 +119,8 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
         return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
     flashmla = compat.flashmla_sparse()
     T, H, d = q.shape
-    heads = _padded_heads(H)
-    if heads == H and q.stride(-1) == 1:
-        q_in, sink_in = q.unsqueeze(1), sink.float().contiguous()
-    else:
-        q_in = q.new_zeros(T, 1, heads, d)
-        q_in[:, 0, :H] = q
-        sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
-        sink_in[:H] = sink
+    q_in, sink_in = _padded_queries(q, sink)
+    heads = q_in.shape[1]
     indices, lengths = _cache_indices(window, req, window_entries)
     extra = {}
     if main is not None:
@@ -121,7 +129,7 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
                      extra_topk_length=extra_lengths)
     out = torch.empty(T, 1, heads, d, dtype=q.dtype, device=q.device)
     if T:
-        flashmla.attend(q=q_in, k_cache=window.view.unsqueeze(2), block_table=None, cache_seqlens=None,
+        flashmla.attend(q=q_in.unsqueeze(1), k_cache=window.view.unsqueeze(2), block_table=None, cache_seqlens=None,
                         head_dim_v=d, tile_scheduler_metadata=_plan(window, flashmla), softmax_scale=scale,
                         is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in, out=out,
                         **extra)
@@ -137,25 +145,27 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
     -1 (an empty slot, or ``req[t] < 0``). Per cache and request, ``kv`` holds the span from the lowest
     to the highest entry the request's queries name, once.
     """
-    read = kv_cache.read_entries if req.is_cuda else kv_cache_ref.read_entries
+    from vllm_dsv4 import ops  # not at import: ops imports this module
+
     live = req[:, None] >= 0
     pieces, indices, offset = [], [], 0
     for src, entries in sources:
         valid = (entries >= 0) & live  # [T, n]
         r = req.clamp(min=0)[:, None].expand_as(entries).long()  # [T, n]
+        named_req, named = r[valid], entries[valid].long()  # the named slots
         num_req = src.block_table.shape[0]
         lo = torch.full((num_req,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=req.device)
         hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device)
-        lo = lo.scatter_reduce(0, r[valid], entries[valid].long(), "amin")
-        hi = hi.scatter_reduce(0, r[valid], entries[valid].long(), "amax")
+        lo = lo.scatter_reduce(0, named_req, named, "amin")
+        hi = hi.scatter_reduce(0, named_req, named, "amax")
         lo_host, hi_host = lo.cpu(), hi.cpu()  # the spans: one small copy (prefill steps only)
         counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
         start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
         span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
         span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
         if span_req.numel():
-            pieces.append(read(src.view, src.block_table, span_req.to(req.device), span_entry.to(req.device),
-                               src.entries_per_block, src.fp8, dtype))  # [S_i, d]
+            pieces.append(ops.read_entries(src.view, src.block_table, span_req.to(req.device),
+                                           span_entry.to(req.device), src.entries_per_block, src.fp8, dtype))
         base = (start.to(req.device) - lo.clamp(max=1 << 62))[r]  # [T, n] kv row of entry 0's place
         indices.append(torch.where(valid, base + entries, -1))
         offset += int(counts.sum())
@@ -180,12 +190,8 @@ def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, wind
         return torch.zeros_like(q)
     width = -(-indices.shape[1] // SLOT_ALIGN) * SLOT_ALIGN
     indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]), value=-1)
-    heads = _padded_heads(H)
-    q_in = q.new_zeros(T, heads, d)
-    q_in[:, :H] = q
-    sink_in = torch.zeros(heads, dtype=torch.float32, device=q.device)
-    sink_in[:H] = sink
-    out = torch.empty(T, heads, d, dtype=q.dtype, device=q.device)
+    q_in, sink_in = _padded_queries(q, sink)
+    out = torch.empty(T, q_in.shape[1], d, dtype=q.dtype, device=q.device)
     compat.flashmla_sparse().prefill(q=q_in, kv=kv.unsqueeze(1), indices=indices.unsqueeze(1), sm_scale=scale,
                                      d_v=d, attn_sink=sink_in, out=out)
     return out[:, :H]
