@@ -55,12 +55,6 @@ ENGINE = dict(max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=4096, 
               kv_cache_dtype="fp8")
 
 
-@pytest.fixture(scope="module")
-def ktiny_ckpt(tmp_path_factory, make_checkpoint_module):
-    """Kernel-shaped dims (head_dim 512, rope 64, indexer 16x128, top-64), FP8 + MXFP4."""
-    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("ktiny"), "ktiny", quantized=True, seed=0)
-
-
 def scored_logprobs(result: dict, batch: int) -> list[torch.Tensor]:
     """Per prompt of a teacher-forced batch run with ``score_last=NEW_TOKENS``, the [NEW_TOKENS, V]
     log-probs of the generated positions (row i scores token i+1 given tokens 0..i)."""

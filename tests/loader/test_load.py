@@ -11,18 +11,23 @@ from vllm_dsv4.loader.names import param_target
 
 
 def empty_params(cfg: Dsv4Config, ckpt: Checkpoint) -> dict[str, torch.nn.Parameter]:
-    """A parameter dict shaped like the model's, built from the names alone (no vLLM needed)."""
-    params: dict[str, torch.nn.Parameter] = {}
+    """A parameter dict shaped like the model's, built from the names alone (no vLLM needed): a merged
+    linear's rows are its members' rows."""
+    shapes: dict[str, tuple[int, int]] = {}
     for name in ckpt.names():
         if name.endswith(".scale") or name.startswith("mtp."):
             continue
-        target, expert, _ = param_target(name)
-        if expert is None:
+        target = param_target(name)
+        if target.expert is None:
             spec = ckpt.spec(name)
             shape = spec.shape if spec.dtype not in (torch.float8_e4m3fn, torch.int8) else None
             if shape is None:  # quantised: the dequantised shape is the scale-free logical one
                 shape = (spec.shape[0], spec.shape[1] * (2 if spec.dtype == torch.int8 else 1))
-            params[target] = torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
+            if target.param in shapes:  # another member of a merged linear
+                shape = (shapes[target.param][0] + shape[0], *shape[1:])
+            shapes[target.param] = shape
+    params = {name: torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
+              for name, shape in shapes.items()}
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     for layer in range(cfg.num_hidden_layers):
         params[f"layers.{layer}.ffn.experts.w13"] = torch.nn.Parameter(torch.full((e, 2 * i, d), float("nan")))
@@ -56,6 +61,15 @@ def test_every_parameter_filled_with_independently_dequantised_values(quantized)
     w3 = params["layers.2.ffn.experts.w13"].data[5, cfg.moe_intermediate_size :]
     ref = oracle_dequant_mxfp4(ckpt.get("layers.2.ffn.experts.5.w3.weight"), ckpt.get("layers.2.ffn.experts.5.w3.scale"))
     assert torch.equal(w3.float(), ref.float())
+    # merged linears: the official weights' rows, stacked in order
+    wq_a, wkv = params["layers.1.attn.wqkv_a.weight"].data.split([cfg.q_lora_rank, cfg.head_dim])
+    for part, official in ((wq_a, "layers.1.attn.wq_a"), (wkv, "layers.1.attn.wkv")):
+        ref = oracle_dequant_fp8(ckpt.get(f"{official}.weight"), ckpt.get(f"{official}.scale"))
+        assert torch.equal(part.float(), ref.float()), official
+    for module in ("layers.1.attn.compressor", "layers.1.attn.indexer.compressor"):
+        kv, gate = params[f"{module}.wkv_gate.weight"].data.chunk(2)
+        assert torch.equal(kv, ckpt.get(f"{module}.wkv.weight").float())
+        assert torch.equal(gate, ckpt.get(f"{module}.wgate.weight").float())
 
 
 def test_missing_scale_is_named(quantized):
@@ -89,8 +103,8 @@ def test_tensor_parallel_rank_gets_its_slice(quantized):
     local = {}
     for name, p in full.items():
         shape = list(p.shape)
-        if name.endswith(("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "shared_experts.w1.weight",
-                          "shared_experts.w3.weight", "experts.w13", "experts.w2")):
+        if name.endswith(("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "shared_experts.w13.weight",
+                          "experts.w13", "experts.w2")):
             shape[0] //= 2
         elif name.endswith(("attn.wo_b.weight", "shared_experts.w2.weight")):
             shape[1] //= 2
@@ -102,7 +116,10 @@ def test_tensor_parallel_rank_gets_its_slice(quantized):
     assert torch.equal(local["layers.1.attn.wo_b.weight"], half(full["layers.1.attn.wo_b.weight"], 1))
     assert torch.equal(local["layers.2.ffn.shared_experts.w2.weight"], half(full["layers.2.ffn.shared_experts.w2.weight"], 1))
     assert torch.equal(local["layers.2.ffn.experts.w13"], full["layers.2.ffn.experts.w13"][4:])
-    assert torch.equal(local["layers.0.attn.wkv.weight"], full["layers.0.attn.wkv.weight"])  # replicated
+    # the shared expert's merged w1 | w3: each member's second half of the rows
+    w1, w3 = full["layers.2.ffn.shared_experts.w13.weight"].chunk(2)
+    assert torch.equal(local["layers.2.ffn.shared_experts.w13.weight"], torch.cat([half(w1, 0), half(w3, 0)]))
+    assert torch.equal(local["layers.0.attn.wqkv_a.weight"], full["layers.0.attn.wqkv_a.weight"])  # replicated
 
 
 def test_parameters_with_a_scale_beside_them_get_raw_bytes_and_scales(quantized):

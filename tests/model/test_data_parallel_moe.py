@@ -158,7 +158,7 @@ def test_loader_gives_a_dp_rank_its_experts_and_whole_attention(ckpt):
     assert load_official_weights(cfg, stream(checkpoint), local, shard) == set(local)
     assert torch.equal(local["layers.2.ffn.experts.w13"], full["layers.2.ffn.experts.w13"][4:])
     assert torch.equal(local["layers.2.ffn.experts.w2"], full["layers.2.ffn.experts.w2"][4:])
-    for name in ("layers.1.attn.wq_b.weight", "layers.1.attn.wo_b.weight", "layers.2.ffn.shared_experts.w1.weight"):
+    for name in ("layers.1.attn.wq_b.weight", "layers.1.attn.wo_b.weight", "layers.2.ffn.shared_experts.w13.weight"):
         assert torch.equal(local[name], full[name]), name
 
 

@@ -34,10 +34,9 @@ from csrc_triton.fp8_linear_ref import FP8_MAX, GROUP, dequant_act, dequant_weig
 from tests.csrc_triton.kernel_cases import vllm_config_for
 from tests.loader.test_load import empty_params, stream
 from vllm_dsv4.config import ConfigError, Dsv4Config
-from vllm_dsv4.loader.checkpoint import Checkpoint, expected_tensors, scale_name
+from vllm_dsv4.loader.checkpoint import Checkpoint, scale_name
 from vllm_dsv4.loader.dequant import e8m0_to_float32, quant_fp8_block
 from vllm_dsv4.loader.load import load_official_weights
-from vllm_dsv4.loader.names import param_target
 from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
 from vllm_dsv4.model.moe import SharedExpert
 from vllm_dsv4.model.parallel import Shard
@@ -213,8 +212,8 @@ def test_gpu_holds_every_whole_block_fp8_linear_but_experts_and_mtp(ktiny_cfg):
     want = {}
     for layer in range(cfg.num_hidden_layers):
         a, f = f"layers.{layer}.attn.", f"layers.{layer}.ffn.shared_experts."
-        want |= {f"{a}{w}.weight": 1 for w in ("wq_a", "wq_b", "wkv", "wo_b")} | {f"{a}wo_a.weight": cfg.o_groups}
-        want |= {f"{f}{w}.weight": 1 for w in ("w1", "w2", "w3")}
+        want |= {f"{a}{w}.weight": 1 for w in ("wqkv_a", "wq_b", "wo_b")} | {f"{a}wo_a.weight": cfg.o_groups}
+        want |= {f"{f}{w}.weight": 1 for w in ("w13", "w2")}
         if cfg.compress_ratio(layer) == 4:
             want[f"{a}indexer.wq_b.weight"] = 1
     assert fp8_linears(cfg, on_gpu=True) == want
@@ -239,26 +238,23 @@ def test_tiny_and_unquantised_checkpoints_hold_nothing(tiny_ckpt, tiny_ckpt_unqu
 # ---- loader + module (tiny checkpoint, CPU) -----------------------------------------------------------
 
 
-def checkpoint_fp8_linears(cfg: Dsv4Config) -> dict[str, tuple[int, int]]:
-    """Every FP8 weight with a block scale outside the routed experts and MTP: name -> (out, in)."""
-    specs = expected_tensors(cfg)
-    return {n: s.shape for n, s in specs.items() if s.dtype == torch.float8_e4m3fn and scale_name(n) in specs
-            and not n.startswith("mtp.") and param_target(n)[1] is None}
-
-
-def test_loader_fills_fp8_storage_that_dequantises_to_the_dequantised_load(tiny_ckpt, cpu_ops):
-    cfg, ckpt = Dsv4Config.from_pretrained(tiny_ckpt), Checkpoint(tiny_ckpt)
+def test_loader_fills_fp8_storage_that_dequantises_to_the_dequantised_load(ktiny_ckpt, cpu_ops):
+    """Every linear the GPU path holds in FP8 (merged ones too: ktiny's are whole blocks), filled by
+    the loader with the checkpoint's bytes and scales, dequantises to what the dequantising load gives
+    and computes within the FP8 bound of it."""
+    cfg, ckpt = Dsv4Config.from_pretrained(ktiny_ckpt), Checkpoint(ktiny_ckpt)
     dequantised = empty_params(cfg, ckpt)
     load_official_weights(cfg, stream(ckpt), dequantised)
+    held = fp8_linears(cfg, on_gpu=True)
 
     shared = SharedExpert(cfg, Shard())  # a real module tree, switched by the model's own pass
     prefix = "layers.2.ffn.shared_experts"
-    hold_fp8_linears(shared, {f"{prefix}.{w}.weight": 1 for w in ("w1", "w2", "w3")}, prefix)
+    hold_fp8_linears(shared, held, prefix)
     linears = {f"{prefix}.{n}.weight": m for n, m in shared.named_children()}
-    for name, (out_features, in_features) in checkpoint_fp8_linears(cfg).items():
-        if name not in linears:
-            linears[name] = Linear(in_features, out_features)
-            linears[name].hold_fp8()
+    for name in held.keys() - linears.keys():
+        out_features, in_features = dequantised[name].shape
+        linears[name] = Linear(in_features, out_features)
+        linears[name].hold_fp8()  # one group: wo_a computed as one linear here
     params = empty_params(cfg, ckpt)
     for name, lin in linears.items():
         params[name], params[f"{name}_scale"] = lin.weight, lin.weight_scale

@@ -6,14 +6,14 @@ A quantised weight is dequantised unless the model holds it quantised: a paramet
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import FP8_BLOCK, CheckpointError, TensorSpec, expected_tensors, scale_name, validate
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4, e8m0_to_float32
-from vllm_dsv4.loader.names import param_target, sharded_dim
+from vllm_dsv4.loader.names import Target, param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
 
 
@@ -37,40 +37,50 @@ def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def _member_rows(target: Target, rows: int, expected: Mapping[str, TensorSpec]) -> slice:
+    """The rows of ``target.part`` within a merged parameter's ``rows`` (weight or block-scale rows,
+    this rank's): the members' shares of the official rows. Tensor parallelism cuts every member
+    alike, and members held in FP8 are whole 128-row blocks (model/layers.py), so the shares are
+    exact in either unit."""
+    sizes = [expected[member].shape[0] for member in target.members]
+    before, total = sum(sizes[: target.part]), sum(sizes)
+    return slice(rows * before // total, rows * (before + sizes[target.part]) // total)
+
+
 def _place(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], shard: Shard,
-           num_experts: int) -> str | None:
+           num_experts: int, expected: Mapping[str, TensorSpec]) -> str | None:
     """Copies this rank's part of ``tensor`` into its parameter; None if another rank owns it."""
-    target, expert, half = param_target(name)
-    if target not in params:
-        raise CheckpointError(f"{name}: the model has no parameter {target!r} for it")
+    target = param_target(name)
+    if target.param not in params:
+        raise CheckpointError(f"{name}: the model has no parameter {target.param!r} for it")
     dim = sharded_dim(name)
     if dim is not None:
         tensor = shard.slice(tensor, dim)
-    dst = params[target].data
-    if expert is not None:
-        local = shard.local_expert(expert, num_experts)
+    dst = params[target.param].data
+    if target.expert is not None:
+        local = shard.local_expert(target.expert, num_experts)
         if local is None:
             return None
         dst = dst[local]
-        if half is not None:
-            rows = dst.shape[0] // 2
-            dst = dst[half * rows : (half + 1) * rows]
+    if target.part is not None:
+        dst = dst[_member_rows(target, dst.shape[0], expected)]
     dst.copy_(_as_dtype(tensor, dst.dtype))
-    return target
+    return target.param
 
 
 def _place_quantized(weight_name: str, weight: torch.Tensor, scale: torch.Tensor,
-                     params: dict[str, torch.nn.Parameter], shard: Shard, num_experts: int) -> set[str | None]:
-    target, _, _ = param_target(weight_name)
+                     params: dict[str, torch.nn.Parameter], shard: Shard, num_experts: int,
+                     expected: Mapping[str, TensorSpec]) -> set[str | None]:
+    target = param_target(weight_name).param
     scale_target = quantized_scale_param(target)
     if scale_target not in params:
-        return {_place(weight_name, _dequantize(weight, scale), params, shard, num_experts)}
-    # The scale follows its weight: same expert / half / shard, under the scale parameter's name.
+        return {_place(weight_name, _dequantize(weight, scale), params, shard, num_experts, expected)}
+    # The scale follows its weight: same expert / member rows / shard, under the scale parameter's name.
     dim = sharded_dim(weight_name)
     if dim is not None and weight.dtype == torch.float8_e4m3fn:
         shard.check_blocks(weight.shape[dim], FP8_BLOCK, weight_name)
-    placed = _place(weight_name, weight, params, shard, num_experts)
-    _place(weight_name, scale, {target: params[scale_target]}, shard, num_experts)
+    placed = _place(weight_name, weight, params, shard, num_experts, expected)
+    _place(weight_name, scale, {target: params[scale_target]}, shard, num_experts, expected)
     return {placed, placed and scale_target}
 
 
@@ -85,7 +95,8 @@ def load_official_weights(
     A tensor that does not match the official table (loader/checkpoint.py) is not placed; once the
     stream ends, ``validate`` raises one CheckpointError naming every such tensor, and every missing
     one. FP8 / MXFP4 weights are held until their ``.scale`` arrives (either order). ``mtp.*`` are
-    checked but left to the MTP draft model. Under tensor parallelism each rank keeps its slice.
+    checked but left to the MTP draft model. A merged linear (names.MERGED) and a stack of experts get
+    each member's rows. Under tensor parallelism each rank keeps its slice.
     """
     expected = expected_tensors(cfg)
     found: dict[str, TensorSpec] = {}
@@ -100,13 +111,13 @@ def load_official_weights(
         elif name.endswith(".weight") and scale_name(name) in expected:
             weight_name = name
         else:
-            loaded.add(_place(name, tensor, params, shard, cfg.n_routed_experts))
+            loaded.add(_place(name, tensor, params, shard, cfg.n_routed_experts, expected))
             continue
         partner = scale_name(weight_name) if name == weight_name else weight_name
         if partner not in held:
             held[name] = tensor
             continue
         weight, scale = (tensor, held.pop(partner)) if name == weight_name else (held.pop(partner), tensor)
-        loaded |= _place_quantized(weight_name, weight, scale, params, shard, cfg.n_routed_experts)
+        loaded |= _place_quantized(weight_name, weight, scale, params, shard, cfg.n_routed_experts, expected)
     validate(cfg, found)
     return loaded - {None}

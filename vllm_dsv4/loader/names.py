@@ -4,6 +4,7 @@ choices we made differently appear here, one row each."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 RENAMES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.\1"),
@@ -11,14 +12,34 @@ RENAMES: tuple[tuple[re.Pattern, str], ...] = (
 )
 # Routed experts are stacked: w1 -> w13[e, :I], w3 -> w13[e, I:], w2 -> w2[e].
 EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
-EXPERT_TARGET = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
+# Linears of one module that read the same input are one weight, the official weights' rows stacked in
+# this order: one GEMM per step instead of several (and in FP8 one activation quantisation).
+# module -> (our merged linear, the official linears it stacks)
+MERGED = {
+    "attn": ("wqkv_a", ("wq_a", "wkv")),
+    "compressor": ("wkv_gate", ("wkv", "wgate")),
+    "shared_experts": ("w13", ("w1", "w3")),
+}
+MERGED_MEMBER = re.compile(r"^(.*\.(attn|compressor|shared_experts))\.(\w+)\.weight$")
 
 
-# Tensors split across tensor-parallel ranks, and along which dim (model/parallel.py says why).
+class Target(NamedTuple):
+    """Where an official weight goes: ``param``, at ``expert`` of a stacked parameter (or None), in
+    the rows of member ``part`` of ``members`` (the official weights whose rows ``param`` stacks, in
+    order; () when it holds one weight)."""
+
+    param: str
+    expert: int | None = None
+    part: int | None = None
+    members: tuple[str, ...] = ()
+
+
+# Tensors (official, and our merged parameters) split across tensor-parallel ranks, and along which dim
+# (model/parallel.py says why).
 SHARDED_DIM: tuple[tuple[re.Pattern, int], ...] = (
     (re.compile(r"\.attn\.(wq_b\.weight|attn_sink|wo_a\.weight)$"), 0),
     (re.compile(r"\.attn\.wo_b\.weight$"), 1),
-    (re.compile(r"\.shared_experts\.(w1|w3)\.weight$"), 0),
+    (re.compile(r"\.shared_experts\.(w1|w3|w13)\.weight$"), 0),  # w13: our merged w1 | w3, each cut alike
     (re.compile(r"\.shared_experts\.w2\.weight$"), 1),
 )
 
@@ -27,13 +48,22 @@ def sharded_dim(name: str) -> int | None:
     return next((dim for pattern, dim in SHARDED_DIM if pattern.search(name)), None)
 
 
-def param_target(name: str) -> tuple[str, int | None, int | None]:
-    """(our parameter name, expert index or None, half of a w13 stack or None)."""
+def param_target(name: str) -> Target:
+    """Our parameter for official tensor ``name`` (a weight; a scale follows its weight)."""
     m = EXPERT.match(name)
     if m:
-        target, half = EXPERT_TARGET[m.group(3)]
-        return f"{m.group(1)}.{target}", int(m.group(2)), half
+        stack, expert, linear = m.group(1), int(m.group(2)), m.group(3)
+        if linear == "w2":
+            return Target(f"{stack}.w2", expert)
+        members = tuple(f"{stack}.{expert}.{w}.weight" for w in ("w1", "w3"))
+        return Target(f"{stack}.w13", expert, members.index(name), members)
+    m = MERGED_MEMBER.match(name)
+    if m:
+        module, (merged, linears) = m.group(1), MERGED[m.group(2)]
+        if m.group(3) in linears:
+            members = tuple(f"{module}.{w}.weight" for w in linears)
+            return Target(f"{module}.{merged}.weight", None, members.index(name), members)
     for pattern, repl in RENAMES:
         if pattern.match(name):
-            return pattern.sub(repl, name), None, None
-    return name, None, None
+            return Target(pattern.sub(repl, name))
+    return Target(name)

@@ -52,10 +52,10 @@ class Attention(nn.Module):
         self.num_heads = shard.part(cfg.num_attention_heads, "num_attention_heads")
         self.groups = shard.part(cfg.o_groups, "o_groups")
         heads_per_group = cfg.num_attention_heads // cfg.o_groups
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_lora_rank = cfg.q_lora_rank
+        self.wqkv_a = Linear(cfg.hidden_size, cfg.q_lora_rank + self.head_dim)  # official wq_a, wkv rows
         self.q_norm = RMSNorm(cfg.q_lora_rank, self.eps)
         self.wq_b = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim)
-        self.wkv = Linear(cfg.hidden_size, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
         self.wo_a = Linear(heads_per_group * self.head_dim, self.groups * self.o_rank)
         self.wo_b = Linear(self.groups * self.o_rank, cfg.hidden_size)
@@ -86,11 +86,12 @@ class Attention(nn.Module):
         the step's caches runs in ``_attend``, where a breakable CUDA graph breaks (compat.eager_break):
         piecewise graphs of mixed and prefill steps capture the rest."""
         num_tokens = x.shape[0]
-        q_latent = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q_latent, kv = self.wqkv_a(x).split([self.q_lora_rank, self.head_dim], dim=-1)
+        q_latent = self.q_norm(q_latent)  # [T, q_lora]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.norm_rope_tail(q, positions, self.inv_freq, self.eps)  # [T, H, d], per-head norm then RoPE
         o = torch.empty_like(q)
-        self._attend(x, q_latent, q, self.wkv(x), positions, o)
+        self._attend(x, q_latent, q, kv, positions, o)
         return self.wo_b(self._out_proj(o, positions))
 
     def _attend_eager(self, x, q_latent, q, kv, positions, o) -> None:

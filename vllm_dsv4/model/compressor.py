@@ -23,8 +23,7 @@ class Compressor(nn.Module):
         super().__init__()
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
         coff = 2 if self.overlap else 1
-        self.wkv = Linear(hidden_size, coff * head_dim)
-        self.wgate = Linear(hidden_size, coff * head_dim)
+        self.wkv_gate = Linear(hidden_size, 2 * coff * head_dim)  # official wkv, wgate rows
         self.ape = fp32_param(ratio, coff * head_dim)
         self.norm = RMSNorm(head_dim, eps)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -36,7 +35,8 @@ class Compressor(nn.Module):
         """x [T, D] post-attn_norm hidden, positions [T]."""
         md_state, md_out = self.state_cache.metadata(), self.out_cache.metadata()
         req = md_state.token_to_req  # [T], -1 for padding
-        self.state_cache.write_state(md_state, req, positions, self.wkv(x), self.wgate(x), self.ape)
+        kv, gate = self.wkv_gate(x).chunk(2, dim=-1)
+        self.state_cache.write_state(md_state, req, positions, kv, gate, self.ape)
 
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
         if md_state.decode_only:  # fixed shapes: every token pools its window, the closing ones are stored

@@ -94,34 +94,33 @@ class Linear(nn.Module):
 
 
 def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_KERNELS) -> dict[str, int]:
-    """The one place deciding which linears stay FP8: checkpoint weight name -> row groups.
+    """The one place deciding which linears stay FP8: our weight parameter name -> row groups.
 
     On the GPU path, every FP8 128x128-block weight of the official table (loader/checkpoint.py)
     whose shape is whole blocks (the kernels quantise activations in 128-wide groups), except the
-    stacked routed experts (moe.py) and MTP; ``wo_a``'s rows are its ``o_groups`` output groups
-    (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an
+    stacked routed experts (moe.py) and MTP; a merged linear (loader/names.py) only when all its
+    members are, so each member's rows start on a block; ``wo_a``'s rows are its ``o_groups`` output
+    groups (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an
     unquantised checkpoint: the loader dequantises every weight not held. Raises ConfigError when
     tensor parallelism would cut a held weight's blocks.
     """
     if not (on_gpu and cfg.quantized):
         return {}
-    specs = expected_tensors(cfg)
-    held = {}
-    for name, spec in specs.items():
-        if spec.dtype != torch.float8_e4m3fn or name.startswith("mtp.") or param_target(name)[1] is not None:
+    held, not_whole_blocks = {}, set()
+    for name, spec in expected_tensors(cfg).items():
+        target = param_target(name)
+        if spec.dtype != torch.float8_e4m3fn or name.startswith("mtp.") or target.expert is not None:
             continue
-        if any(size % FP8_BLOCK for size in spec.shape):
+        # ops.rope_out_proj's 128-wide K blocks stay within a head
+        if any(size % FP8_BLOCK for size in spec.shape) or (name.endswith(".attn.wo_a.weight")
+                                                             and cfg.head_dim % FP8_BLOCK):
+            not_whole_blocks.add(target.param)
             continue
         dim = sharded_dim(name)
         if dim is not None:
             shard.check_blocks(spec.shape[dim], FP8_BLOCK, name)
-        if name.endswith(".attn.wo_a.weight"):
-            if cfg.head_dim % FP8_BLOCK:  # ops.rope_out_proj's 128-wide K blocks stay within a head
-                continue
-            held[name] = shard.part(cfg.o_groups, "o_groups")
-        else:
-            held[name] = 1
-    return held
+        held[target.param] = shard.part(cfg.o_groups, "o_groups") if name.endswith(".attn.wo_a.weight") else 1
+    return {param: groups for param, groups in held.items() if param not in not_whole_blocks}
 
 
 def hold_fp8_linears(module: nn.Module, held: Mapping[str, int], prefix: str) -> None:

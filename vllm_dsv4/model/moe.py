@@ -39,13 +39,12 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: Dsv4Config, shard: Shard):
         super().__init__()
         inter = shard.part(cfg.moe_intermediate_size, "moe_intermediate_size")
-        self.w1 = Linear(cfg.hidden_size, inter)
-        self.w3 = Linear(cfg.hidden_size, inter)
+        self.w13 = Linear(cfg.hidden_size, 2 * inter)  # official w1 (gate), w3 (up) rows
         self.w2 = Linear(inter, cfg.hidden_size)
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.swiglu_clamped(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
+        return self.w2(ops.swiglu_clamped(self.w13(x), self.limit))
 
 
 class Experts(nn.Module):
