@@ -65,7 +65,8 @@ def rope_inv_freq(
     return inv_freq_interp * (1 - smooth) + inv_freq * smooth  # [r/2]
 
 
-def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
+                    out: Tensor | None = None) -> Tensor:
     """Rotate the last ``r = 2 * len(inv_freq)`` channels of ``x`` by ``positions * f`` (§3.2).
 
     Pairs are interleaved: ``x'[2i] = x[2i] cos - x[2i+1] sin``, ``x'[2i+1] = x[2i] sin +
@@ -78,9 +79,12 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
         positions: ``[T]`` int64 absolute positions (compressed entry ``w`` of ratio m: ``w * m``).
         inv_freq: ``[r / 2]`` from :func:`rope_inv_freq`.
         inverse: rotate by ``-positions``.
+        out: where to write the result instead (``x``'s shape and dtype, any strides: e.g. a
+            transposed view of a group-major buffer that the grouped ``wo_a`` GEMMs read).
 
     Returns:
-        A new ``[T, ..., d]`` tensor in ``x.dtype``; cos/sin and the rotation are computed in fp32.
+        ``out``, or a new ``[T, ..., d]`` tensor in ``x.dtype``; cos/sin and the rotation are
+        computed in fp32.
     """
     r = 2 * inv_freq.numel()
     freqs = positions.float()[:, None] * inv_freq.to(device=x.device, dtype=torch.float32)  # [T, r/2]
@@ -92,7 +96,8 @@ def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: boo
     pairs = x[..., x.shape[-1] - r :].float().unflatten(-1, (r // 2, 2))  # [T, .., r/2, 2]
     x0, x1 = pairs[..., 0], pairs[..., 1]  # [T, .., r/2] each
     rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)  # [T, .., r]
-    return torch.cat([x[..., : x.shape[-1] - r], rotated.to(x.dtype)], dim=-1)  # [T, .., d]
+    result = torch.cat([x[..., : x.shape[-1] - r], rotated.to(x.dtype)], dim=-1)  # [T, .., d]
+    return result if out is None else out.copy_(result)
 
 
 def norm_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:

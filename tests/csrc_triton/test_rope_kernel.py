@@ -37,6 +37,7 @@ SHAPES = [
     (1, (1,), 8, 8),
     (5, (), 20, 8),
     (3, (2, 3), 24, 8),
+    (2, (2, 2, 3), 16, 8),
     (4, (33,), 300, 16),
     pytest.param(64, (64,), 512, 64, marks=GPU),
     pytest.param(1000, (), 512, 64, marks=GPU),
@@ -63,6 +64,20 @@ def test_apply_rope_tail_strided_and_roundtrip():
     assert_close(apply_rope_tail(view, pos, inv_freq), apply_rope_tail_ref(view, pos, inv_freq), torch.float32)
     back = apply_rope_tail(apply_rope_tail(view, pos, inv_freq), pos, inv_freq, inverse=True)
     torch.testing.assert_close(back, view, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, groups, heads, d, r", [(0, 2, 2, 16, 8), (5, 2, 3, 24, 8),
+                                                    pytest.param(64, 8, 8, 512, 64, marks=GPU)])
+def test_apply_rope_tail_into_a_group_major_buffer(T, groups, heads, d, r, dtype):
+    """``out=`` a transposed view (the grouped ``wo_a``'s [G, T, H/G, d] input): every element of the
+    buffer written, with the values the reference returns for the [T, H, d] layout."""
+    x, pos, inv_freq, _ = rope_args(T, (groups * heads,), d, r, dtype, True)
+    buffer = torch.full((groups, T, heads, d), float("nan"), dtype=dtype, device=x.device)
+    out = apply_rope_tail(x.view(T, groups, heads, d), pos, inv_freq, inverse=True, out=buffer.transpose(0, 1))
+    assert out.data_ptr() == buffer.data_ptr()
+    ref = apply_rope_tail_ref(x, pos, inv_freq, inverse=True)
+    assert_close(buffer.transpose(0, 1).reshape(T, groups * heads, d), ref, dtype)
 
 
 # (T, mid, d, r): as SHAPES, with V4's query rows (64 heads x 512, r = 64) at a few tokens for the interpreter.

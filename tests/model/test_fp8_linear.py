@@ -136,9 +136,9 @@ def test_reference_is_within_the_fp8_bound_of_the_dequantised_linear(out_feature
 def test_grouped_dequantised_is_one_linear_per_group():
     lin = Linear(96, 4 * 24)
     lin.weight.data.normal_()
-    x = torch.randn(5, 4, 96)
+    x = torch.randn(4, 5, 96)  # group-major
     got = lin.grouped(x)
-    want = torch.stack([F.linear(x[:, g], lin.weight[g * 24 : (g + 1) * 24]) for g in range(4)], 1)
+    want = torch.stack([F.linear(x[g], lin.weight[g * 24 : (g + 1) * 24]) for g in range(4)], 1)
     assert got.shape == (5, 4, 24)
     torch.testing.assert_close(got, want)
 
@@ -158,14 +158,14 @@ def test_fp8_storage_computes_through_the_reference_on_cpu(cpu_ops):
     x = activations(6, 384, seed=4, dtype=torch.float32).view(2, 3, 384)
     assert torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale))
     grouped = held_linear(2 * 128, 256, seed=5, groups=2)
-    xg = activations(5, 2 * 256, seed=6, dtype=torch.float32).view(5, 2, 256)
-    want = torch.stack([fp8_linear(xg[:, g], grouped.weight[g * 128 : (g + 1) * 128], grouped.weight_scale[g : g + 1])
+    xg = activations(2 * 5, 256, seed=6, dtype=torch.float32).view(2, 5, 256)  # group-major
+    want = torch.stack([fp8_linear(xg[g], grouped.weight[g * 128 : (g + 1) * 128], grouped.weight_scale[g : g + 1])
                         for g in range(2)], 1)
     assert torch.equal(grouped.grouped(xg), want)
     with pytest.raises(ValueError, match="call grouped"):
-        grouped(xg[:, 0])
+        grouped(xg[0])
     with pytest.raises(ValueError, match="3 groups"):
-        grouped.grouped(xg[:, :1].expand(5, 3, 256))
+        grouped.grouped(xg[:1].expand(3, 5, 256))
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -395,12 +395,12 @@ def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, token
     lin.weight_scale.data.copy_(s)
     lin.finish_loading()
     assert torch.equal(lin.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(lin.weight_scale, s)
-    x = activations(tokens * groups, in_features, seed=14, device="cuda").view(tokens, groups, in_features)
+    x = activations(groups * tokens, in_features, seed=14, device="cuda").view(groups, tokens, in_features)
     y = lin.grouped(x)
     assert y.shape == (tokens, groups, rank)
     blocks = rank // GROUP
     for g in range(groups):
-        check_kernel(y[:, g], x[:, g], w[g * rank : (g + 1) * rank], s[g * blocks : (g + 1) * blocks],
+        check_kernel(y[:, g], x[g], w[g * rank : (g + 1) * rank], s[g * blocks : (g + 1) * blocks],
                      lin.gemms[g].kernel)
 
 

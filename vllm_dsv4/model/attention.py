@@ -37,9 +37,13 @@ def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
 
 def grouped_out_proj(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, wo_a: Linear,
                      groups: int) -> torch.Tensor:
-    """``wo_a`` unfused (§5.6): the inverse-RoPE op, then one GEMM per head group; [T, H, d] -> [T, G * R]."""
-    o = ops.apply_rope_tail(o, positions, inv_freq, inverse=True)
-    return wo_a.grouped(o.reshape(o.shape[0], groups, -1)).flatten(1)
+    """``wo_a`` unfused (§5.6): the inverse-RoPE op, then one GEMM per head group; [T, H, d] -> [T, G * R].
+    The rope op writes group-major, so each group's GEMM reads contiguous rows without a transpose copy."""
+    T, H, d = o.shape
+    per_group = o.new_empty(groups, T, H // groups, d)  # [G, T, H/G, d]
+    ops.apply_rope_tail(o.view(T, groups, H // groups, d), positions, inv_freq, inverse=True,
+                        out=per_group.transpose(0, 1))
+    return wo_a.grouped(per_group.flatten(2)).flatten(1)
 
 
 class Attention(nn.Module):

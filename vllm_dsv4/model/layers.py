@@ -74,18 +74,15 @@ class Linear(nn.Module):
         return self.gemms[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """Block-diagonal linear (§5.6): x [T, G, in] -> [T, G, out/G], group g through rows g of W.
-
-        ``einsum('tgi,gri->tgr', x, W.view(G, out/G, in))``.
-        """
-        num_groups = x.shape[1]
+        """Block-diagonal linear (§5.6): group-major x [G, T, in] -> [T, G, out/G], group g through
+        rows g of W: ``einsum('gti,gri->tgr', x, W.view(G, out/G, in))``."""
+        num_groups = x.shape[0]
         if self.weight_scale is None:
             w = self.weight.view(num_groups, -1, self.in_features)  # [G, R, in]
-            return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w)
+            return torch.einsum("gti,gri->tgr", x.to(w.dtype), w)
         if len(self._bound()) != num_groups:
             raise ValueError(f"x has {num_groups} groups; this FP8 linear holds {self.groups}")
-        per_group = x.transpose(0, 1).contiguous()  # [G, T, in]: each group's rows contiguous for the GEMM
-        return torch.stack([gemm(xg) for gemm, xg in zip(self.gemms, per_group)], dim=1)
+        return torch.stack([gemm(xg) for gemm, xg in zip(self.gemms, x)], dim=1)
 
     def _bound(self) -> tuple:
         if not self.gemms:
