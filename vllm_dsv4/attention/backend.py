@@ -31,8 +31,9 @@ class CacheStepMetadata:
     block_table: torch.Tensor
     token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
     decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
-    # This step's attention plans, one per (query chunk, layer kind) (model/attention.py): a fresh
-    # dict per build, so a plan never outlives the step (or the graph capture) it was made in.
+    # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
+    # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
+    # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
     plans: dict = field(default_factory=dict, compare=False)
 
 

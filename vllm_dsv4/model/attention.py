@@ -122,22 +122,28 @@ class Attention(nn.Module):
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
             window = self.swa_cache.source(md, md.plans.setdefault((start, self.ratio), {}))
             o[rows] = attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                             self._window(positions[rows]), main, entries[rows] if self.ratio else None)
+                             self._window(md, start, positions[rows]), main, entries[rows] if self.ratio else None)
 
-    def _window(self, positions):
-        """SWA entries [t, W]: the last ``window`` token positions up to each query, -1 before position 0."""
-        return (positions[:, None] + self.window_offsets).clamp_(min=-1)
+    def _window(self, md, start, positions):
+        """SWA entries [t, W] of the chunk from ``start``: the last ``window`` token positions up to
+        each query, -1 before position 0 (once per step and chunk: every layer's are the same)."""
+        key = ("window entries", start)
+        if key not in md.plans:
+            md.plans[key] = (positions[:, None] + self.window_offsets).clamp_(min=-1)
+        return md.plans[key]
 
     def _compressed_entries(self, md, x, q_latent, positions):
-        """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry, or the
-        indexer's C4 picks."""
+        """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry (once per
+        step: every C128 layer's are the same), or the indexer's C4 picks."""
         if self.ratio == 4:
             return self.indexer(x, q_latent, positions)  # [T, topk]
-        num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
-        # Decode steps attend a fixed width (what a CUDA graph replays); others the step's longest prefix.
-        width = self.max_c128_entries if md.decode_only else max(int(num_visible.max()), 1)
-        entries = torch.arange(width, device=x.device)
-        return torch.where(entries < num_visible[:, None], entries, -1)
+        if "c128 entries" not in md.plans:
+            num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
+            # Decode steps attend a fixed width (what a CUDA graph replays); others the step's longest prefix.
+            width = self.max_c128_entries if md.decode_only else max(int(num_visible.max()), 1)
+            entries = torch.arange(width, device=x.device)
+            md.plans["c128 entries"] = torch.where(entries < num_visible[:, None], entries, -1)
+        return md.plans["c128 entries"]
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -37,18 +39,44 @@ class Compressor(nn.Module):
         req = md_state.token_to_req  # [T], -1 for padding
         kv, gate = self.wkv_gate(x).chunk(2, dim=-1)
         self.state_cache.write_state(md_state, req, positions, kv, gate, self.ape)
+        # Which windows close depends on the step's tokens only: the first compressor of this ratio
+        # works it out and every later layer's reuses it (a CUDA graph replays that first computation).
+        key = ("closed windows", self.ratio)
+        if key not in md_state.plans:
+            md_state.plans[key] = self._closed_windows(req, positions, md_state.decode_only)
+        closed = md_state.plans[key]
+        if closed is None:
+            return
+        rows = self.state_cache.read(md_state, closed.read_req, closed.read_entry)  # [N, S, 2*coff*d]
+        pooled = ops.compress_windows(rows, closed.valid, self.overlap, self.head_dim)  # [N, d]
+        self.out_cache.insert(md_out, pooled, self.norm, closed.rope_positions, self.inv_freq, closed.out_req,
+                              closed.entry)
 
+    def _closed_windows(self, req: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> ClosedWindows | None:
+        """The windows this step's tokens close (None if none): a token at p with (p+1) % ratio == 0
+        closes entry p // ratio, roped at its window's first position."""
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
-        if md_state.decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
+        if decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
             pos, r, out_req = positions, req, torch.where(closing, req, -1)
         elif bool(closing.any()):
             pos, r = positions[closing], req[closing]  # [N]
             out_req = r
         else:
-            return
+            return None
         window = pos[:, None] + self.window_offsets  # [N, S]
-        valid = window >= 0
-        rows = self.state_cache.read(md_state, r.clamp(min=0)[:, None], window.clamp(min=0))  # [N, S, 2*coff*d]
-        pooled = ops.compress_windows(rows, valid, self.overlap, self.head_dim)  # [N, d]
-        self.out_cache.insert(md_out, pooled, self.norm, pos - self.ratio + 1, self.inv_freq, out_req,
-                              torch.div(pos, self.ratio, rounding_mode="floor"))
+        return ClosedWindows(read_req=r.clamp(min=0)[:, None], read_entry=window.clamp(min=0), valid=window >= 0,
+                             rope_positions=pos - self.ratio + 1, out_req=out_req,
+                             entry=torch.div(pos, self.ratio, rounding_mode="floor"))
+
+
+class ClosedWindows(NamedTuple):
+    """The compressed entries a step closes, N of them: where their window rows are read (request
+    [N, 1], state entries [N, S], which rows exist [N, S]) and where each pooled entry goes (rope
+    position, request (-1: not stored), entry number; [N] each)."""
+
+    read_req: torch.Tensor
+    read_entry: torch.Tensor
+    valid: torch.Tensor
+    rope_positions: torch.Tensor
+    out_req: torch.Tensor
+    entry: torch.Tensor
