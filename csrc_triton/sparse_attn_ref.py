@@ -69,8 +69,9 @@ class CacheSource(NamedTuple):
     block_table: Tensor  # [R, max_blocks] int32 / int64
     entries_per_block: int  # E
     fp8: Any  # None (raw) or the FP8 main-entry spec (``value_dim``, ``rope_dim``), e.g. layout.Fp8Entry
-    # Scratch shared by the calls whose slot lists have the same lengths (same step, query chunk and
-    # layer kind): kernels that plan from the lengths alone keep their plans here; None: plan per call.
+    # Scratch shared by the calls of one step, query chunk and layer kind: plans made from the slot
+    # lists' lengths, or, where a source's entries are the same in all those calls, from its entries
+    # (attention/flashmla.py); None: plan per call.
     plans: dict | None = None
 
 

@@ -128,3 +128,31 @@ def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, cpu_ops):
             spans += int(named.max() - named.min() + 1) if named.numel() else 0
         column += entries.shape[1]
     assert kv.shape[0] == spans
+
+
+def test_gathered_spans_are_worked_out_once_per_plans(cpu_ops, monkeypatch):
+    """Sources given with plans (the window, C128's entries): a second layer naming the same entries
+    reuses the first one's spans, with no host read, and still decodes its own cache's entries."""
+    from csrc_triton.kv_cache_ref import read_entries
+
+    first = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40))
+    req, window, window_entries, main, main_entries = first[3], first[4], first[5], first[6], first[7]
+    other = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40), seed=1)
+    plans = {}
+
+    def layer(w, m):  # one layer's sources (its caches and their block tables), the step's entries
+        return [(w._replace(plans=plans), window_entries), (m._replace(plans=plans), main_entries)]
+
+    kv, indices = flashmla.gather_slots(req, layer(window, main), torch.bfloat16)
+    assert set(plans) == {("gathered spans", 0), ("gathered spans", 1)}
+    monkeypatch.setattr(flashmla, "_spans", lambda *args: pytest.fail("spans worked out again"))
+    kv_other, indices_other = flashmla.gather_slots(req, layer(other[4], other[6]), torch.bfloat16)
+    assert torch.equal(indices_other, indices) and not torch.equal(kv_other, kv)
+    column = 0
+    for (src, entries) in layer(other[4], other[6]):
+        idx = indices[:, column : column + entries.shape[1]].long()
+        valid = (entries >= 0) & (req[:, None] >= 0)
+        want = read_entries(src.view, src.block_table, req.clamp(min=0)[:, None].expand_as(entries)[valid],
+                            entries[valid], src.entries_per_block, src.fp8, torch.bfloat16)
+        assert torch.equal(kv_other[idx[valid]].view(torch.int16), want.view(torch.int16))  # bits: NaN fillers too
+        column += entries.shape[1]

@@ -23,13 +23,15 @@ which reads bf16 keys by index from one buffer: ``gather_slots`` decodes, per re
 the span of entries its queries' slot lists name (window: the positions from the first query's
 window start to the last query; compressed: the lowest to the highest pick) once into that buffer
 and turns every slot into an index of it. The spans are read on the host (one small copy), which a
-prefill step may do: it is never captured whole (vLLM's piecewise graphs break around attention).
+prefill step may do: it is never captured whole (vLLM's piecewise graphs break around attention);
+the window's and C128's, the same in every layer of a kind, once per step and query chunk.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -136,6 +138,17 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
     return out[:, 0, :H]
 
 
+class GatheredSpans(NamedTuple):
+    """One source's part of :func:`gather_slots`: the ``count`` entries it decodes (requests ``req``,
+    entry numbers ``entry``, [count] each, on the device) and its slots' rows of the buffer
+    (``indices`` [T, n_i], -1 for an empty slot)."""
+
+    req: Tensor
+    entry: Tensor
+    indices: Tensor
+    count: int
+
+
 def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The entries that slot lists name, decoded once: ``(kv [S, d] in dtype, indices [T, n] int32)``.
 
@@ -143,35 +156,48 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
     side in ``indices`` (``n = sum n_i``); slot j of query t names ``kv[indices[t, j]]``, which is entry
     ``entries[t, j]`` of request ``req[t]`` of its cache as ``kv_cache_ref.read_entries`` decodes it, or
     -1 (an empty slot, or ``req[t] < 0``). Per cache and request, ``kv`` holds the span from the lowest
-    to the highest entry the request's queries name, once.
+    to the highest entry the request's queries name, once. A source given with ``plans`` names the same
+    entries in every call sharing them (model/attention.py: the window, and C128's visible entries):
+    its spans, which cost a host read, are worked out by the first such call and kept there.
     """
     from vllm_dsv4 import ops  # not at import: ops imports this module
 
-    live = req[:, None] >= 0
     pieces, indices, offset = [], [], 0
-    for src, entries in sources:
-        valid = (entries >= 0) & live  # [T, n]
-        r = req.clamp(min=0)[:, None].expand_as(entries).long()  # [T, n]
-        named_req, named = r[valid], entries[valid].long()  # the named slots
-        num_req = src.block_table.shape[0]
-        lo = torch.full((num_req,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=req.device)
-        hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device)
-        lo = lo.scatter_reduce(0, named_req, named, "amin")
-        hi = hi.scatter_reduce(0, named_req, named, "amax")
-        lo_host, hi_host = lo.cpu(), hi.cpu()  # the spans: one small copy (prefill steps only)
-        counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
-        start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
-        span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
-        span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
-        if span_req.numel():
-            pieces.append(ops.read_entries(src.view, src.block_table, span_req.to(req.device),
-                                           span_entry.to(req.device), src.entries_per_block, src.fp8, dtype))
-        base = (start.to(req.device) - lo.clamp(max=1 << 62))[r]  # [T, n] kv row of entry 0's place
-        indices.append(torch.where(valid, base + entries, -1))
-        offset += int(counts.sum())
+    for place, (src, entries) in enumerate(sources):
+        key = ("gathered spans", place)
+        spans = src.plans.get(key) if src.plans is not None else None
+        if spans is None:
+            spans = _spans(req, src.block_table.shape[0], entries, offset)
+            if src.plans is not None:
+                src.plans[key] = spans
+        if spans.count:
+            pieces.append(ops.read_entries(src.view, src.block_table, spans.req, spans.entry, src.entries_per_block,
+                                           src.fp8, dtype))
+        indices.append(spans.indices)
+        offset += spans.count
     if not pieces:
         return torch.empty(0, 0, dtype=dtype, device=req.device), torch.cat(indices, 1).int()
     return torch.cat(pieces), torch.cat(indices, 1).int()
+
+
+def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredSpans:
+    """Per request, the span from the lowest to the highest entry its queries name, laid out from row
+    ``offset`` of the buffer in request order; reads the spans on the host (one small copy)."""
+    valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
+    r = req.clamp(min=0)[:, None].expand_as(entries).long()  # [T, n]
+    named_req, named = r[valid], entries[valid].long()  # the named slots
+    lo = torch.full((num_req,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=req.device)
+    hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device)
+    lo = lo.scatter_reduce(0, named_req, named, "amin")
+    hi = hi.scatter_reduce(0, named_req, named, "amax")
+    lo_host, hi_host = lo.cpu(), hi.cpu()
+    counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
+    start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
+    span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
+    span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
+    base = (start.to(req.device) - lo.clamp(max=1 << 62))[r]  # [T, n] kv row of entry 0's place
+    return GatheredSpans(span_req.to(req.device), span_entry.to(req.device), torch.where(valid, base + entries, -1),
+                         int(counts.sum()))
 
 
 def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,

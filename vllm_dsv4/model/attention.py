@@ -120,9 +120,13 @@ class Attention(nn.Module):
             rows = slice(start, start + QUERY_CHUNK)
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
-            window = self.swa_cache.source(md, md.plans.setdefault((start, self.ratio), {}))
+            plans = md.plans.setdefault((start, self.ratio), {})
+            window = self.swa_cache.source(md, plans)
+            # C128 layers name the same entries (every visible one), so they share what is planned from them.
+            chunk_main = main._replace(plans=plans) if self.ratio == 128 else main
             o[rows] = attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                             self._window(md, start, positions[rows]), main, entries[rows] if self.ratio else None)
+                             self._window(md, start, positions[rows]), chunk_main,
+                             entries[rows] if self.ratio else None)
 
     def _window(self, md, start, positions):
         """SWA entries [t, W] of the chunk from ``start``: the last ``window`` token positions up to
