@@ -199,11 +199,13 @@ def _source_args(src: CacheSource | None, entries: Tensor | None, q: Tensor) -> 
 
 
 def _launch(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: tuple[str, tuple],
-            main: tuple[str, tuple]) -> Tensor:
+            main: tuple[str, tuple], out: Tensor | None = None) -> Tensor:
     T, H, d = q.shape
     assert q.dtype in (torch.float32, torch.bfloat16, torch.float16), q.dtype
     assert sink.shape == (H,), sink.shape
-    out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)  # [T, H, d]
+    if out is None:
+        out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)  # [T, H, d]
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype, q.shape, q.dtype)
     if T == 0 or H == 0:
         return out
     sink = sink.to(device=q.device, dtype=torch.float32).contiguous()
@@ -241,7 +243,8 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
-                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None,
+                       out: Tensor | None = None) -> Tensor:
     """Triton :func:`sparse_attn_ref.sparse_attn_cached` (same arguments and result): keys read in the
     kernel straight from the paged caches, FP8 main entries decoded in registers.
 
@@ -258,9 +261,11 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
             ``C = d``, or uint8 FP8 main entries of ``d`` values); ``main`` None for window-only layers.
         window_entries, main_entries: ``[T, W]`` / ``[T, K]`` int (int32 / int64, any strides), -1 for
             an empty slot; ``main_entries`` None with ``main``.
+        out: ``[T, H, d]`` in ``q.dtype``, any strides, to write the result into.
 
     Returns:
-        ``[T, H, d]`` in ``q.dtype``; fp32 inside.
+        ``out``, or a new ``[T, H, d]`` in ``q.dtype``; fp32 inside.
     """
     assert req.shape == (q.shape[0],) and not req.dtype.is_floating_point, req.shape
-    return _launch(q, sink, scale, req, _source_args(window, window_entries, q), _source_args(main, main_entries, q))
+    return _launch(q, sink, scale, req, _source_args(window, window_entries, q), _source_args(main, main_entries, q),
+                   out)

@@ -76,7 +76,8 @@ class CacheSource(NamedTuple):
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
-                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None,
+                       out: Tensor | None = None) -> Tensor:
     """:func:`sparse_attn` over keys named by entry number in two paged caches.
 
     Query t attends the window entries ``window_entries[t]`` then the main entries ``main_entries[t]``
@@ -94,9 +95,11 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
         main: the compressed component (``c4`` / ``c128``: entries are entry numbers), or None
             (window-only layers).
         main_entries: ``[T, K]`` int, -1 for an empty slot; None with ``main``.
+        out: ``[T, H, d]`` in ``q.dtype`` to write the result into (the caller's buffer, e.g. its rows of
+            a layer's output).
 
     Returns:
-        ``[T, H, d]`` in ``q.dtype``.
+        ``out``, or a new ``[T, H, d]`` in ``q.dtype``.
     """
     live = req[:, None] >= 0  # [T, 1]
     req0 = req.clamp(min=0)[:, None]  # [T, 1]
@@ -106,4 +109,5 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
             keys.append(read_entries(src.view, src.block_table, req0, entries.clamp(min=0), src.entries_per_block,
                                      src.fp8, q.dtype))  # [T, n, d]
             valid.append((entries >= 0) & live)  # [T, n]
-    return sparse_attn(q, torch.cat(keys, 1), torch.cat(valid, 1), sink, scale)
+    result = sparse_attn(q, torch.cat(keys, 1), torch.cat(valid, 1), sink, scale)
+    return result if out is None else out.copy_(result)

@@ -155,6 +155,22 @@ def test_sparse_attn_cached_strided_inputs(kind):
     assert_close(sparse_attn_cached(*args), sparse_attn_cached_ref(*args), torch.float32)
 
 
+@KERNEL
+@pytest.mark.parametrize("kind", KINDS)
+def test_sparse_attn_cached_writes_into_out(kind):
+    """``out=``: a caller's rows (here strided: the first half of every head row of a wider buffer)
+    get, in place, what the call returns otherwise; nothing around them is touched. Both the kernel
+    and the reference."""
+    args = _cached_args(5, 3, 64, 16, 5, 6, (4, 4), (24, 24), None, kind, torch.float32)
+    want = sparse_attn_cached_ref(*args)
+    for attend in (sparse_attn_cached, sparse_attn_cached_ref):
+        buffer = torch.full((7, 3, 128), float("nan"), device=want.device)
+        out = buffer[1:6, :, :64]
+        assert attend(*args, out=out).data_ptr() == out.data_ptr()
+        assert_close(out, want, torch.float32)
+        assert buffer[0].isnan().all() and buffer[6].isnan().all() and buffer[..., 64:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K", [7, None], ids=["window+main", "window"])

@@ -77,6 +77,9 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible, ker
     ref = triton_attn(*args)
     assert_close(out, ref, torch.bfloat16)
     assert (ref[:2] == 0).all() and (out[:2] == 0).all()  # row 0 padding, row 1 without a valid slot
+    into = torch.full_like(q, float("nan"))  # out=: written in place (H < 64: through the padded heads)
+    assert getattr(flashmla, kernel)(*args, out=into).data_ptr() == into.data_ptr()
+    assert_close(into, ref, torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,

@@ -103,6 +103,23 @@ def _padded_queries(q: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
     return q_in, sink_in
 
 
+def _kernel_out(out: Tensor | None, q: Tensor, heads: int) -> Tensor:
+    """The ``[T, heads, d]`` buffer the kernel writes: the caller's ``out`` itself when it is that
+    (no padded heads, contiguous), else a new one (:func:`_returned` copies the real heads back)."""
+    T, H, d = q.shape
+    if out is not None and heads == H and out.is_contiguous():
+        return out
+    return torch.empty(T, heads, d, dtype=q.dtype, device=q.device)
+
+
+def _returned(buffer: Tensor, out: Tensor | None, num_heads: int) -> Tensor:
+    """The result's real heads, in ``out`` when the caller gave one."""
+    result = buffer[:, :num_heads]
+    if out is None or out.data_ptr() == result.data_ptr():
+        return result
+    return out.copy_(result)
+
+
 def _cache_indices(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tensor, Tensor]:
     """``([T, 1, K'] int32 global cache indices, [T] int32 lengths)`` of the slot lists (cache_index.py)."""
     index, lengths = global_slots(src.block_table, src.entries_per_block, req, entries, SLOT_ALIGN)
@@ -110,7 +127,8 @@ def _cache_indices(src: CacheSource, req: Tensor, entries: Tensor) -> tuple[Tens
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
-                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+                       window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None,
+                       out: Tensor | None = None) -> Tensor:
     """``csrc_triton.sparse_attn.sparse_attn_cached`` through FlashMLA where it applies (module doc).
 
     CUDA-graph safe: no host synchronisation, shapes fixed by the arguments'.
@@ -118,7 +136,7 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
     reason = why_not(q, window, main)
     if reason:
         _log_fallback(reason)
-        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
+        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries, out)
     flashmla = compat.flashmla_sparse()
     T, H, d = q.shape
     q_in, sink_in = _padded_queries(q, sink)
@@ -129,13 +147,13 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
         extra_indices, extra_lengths = _cache_indices(main, req, main_entries)
         extra = dict(extra_k_cache=main.view.unsqueeze(2), extra_indices_in_kvcache=extra_indices,
                      extra_topk_length=extra_lengths)
-    out = torch.empty(T, 1, heads, d, dtype=q.dtype, device=q.device)
+    buffer = _kernel_out(out, q, heads)  # [T, heads, d]
     if T:
         flashmla.attend(q=q_in.unsqueeze(1), k_cache=window.view.unsqueeze(2), block_table=None, cache_seqlens=None,
                         head_dim_v=d, tile_scheduler_metadata=_plan(window, flashmla), softmax_scale=scale,
-                        is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in, out=out,
-                        **extra)
-    return out[:, 0, :H]
+                        is_fp8_kvcache=True, indices=indices, topk_length=lengths, attn_sink=sink_in,
+                        out=buffer.unsqueeze(1), **extra)
+    return _returned(buffer, out, H)
 
 
 class GatheredSpans(NamedTuple):
@@ -201,23 +219,24 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredS
 
 
 def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,
-                        window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None) -> Tensor:
+                        window_entries: Tensor, main: CacheSource | None, main_entries: Tensor | None,
+                        out: Tensor | None = None) -> Tensor:
     """:func:`sparse_attn_cached`'s semantics through FlashMLA's sparse prefill kernel over
     :func:`gather_slots`' buffer (module doc); the Triton kernel where FlashMLA does not apply.
     Synchronises with the host: not for CUDA-graph capture."""
     reason = why_not(q, window, main)
     if reason:
         _log_fallback(reason)
-        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries)
+        return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries, out)
     T, H, d = q.shape
     sources = [(window, window_entries)] + ([(main, main_entries)] if main is not None else [])
     kv, indices = gather_slots(req, sources, q.dtype)
     if T == 0 or kv.shape[0] == 0:  # no slot anywhere: every row attends nothing
-        return torch.zeros_like(q)
+        return torch.zeros_like(q) if out is None else out.zero_()
     width = -(-indices.shape[1] // SLOT_ALIGN) * SLOT_ALIGN
     indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]), value=-1)
     q_in, sink_in = _padded_queries(q, sink)
-    out = torch.empty(T, q_in.shape[1], d, dtype=q.dtype, device=q.device)
+    buffer = _kernel_out(out, q, q_in.shape[1])  # [T, heads, d]
     compat.flashmla_sparse().prefill(q=q_in, kv=kv.unsqueeze(1), indices=indices.unsqueeze(1), sm_scale=scale,
-                                     d_v=d, attn_sink=sink_in, out=out)
-    return out[:, :H]
+                                     d_v=d, attn_sink=sink_in, out=buffer)
+    return _returned(buffer, out, H)

@@ -124,9 +124,9 @@ class Attention(nn.Module):
             window = self.swa_cache.source(md, plans)
             # C128 layers name the same entries (every visible one), so they share what is planned from them.
             chunk_main = main._replace(plans=plans) if self.ratio == 128 else main
-            o[rows] = attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                             self._window(md, start, positions[rows]), chunk_main,
-                             entries[rows] if self.ratio else None)
+            attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
+                   self._window(md, start, positions[rows]), chunk_main, entries[rows] if self.ratio else None,
+                   out=o[rows])
 
     def _window(self, md, start, positions):
         """SWA entries [t, W] of the chunk from ``start``: the last ``window`` token positions up to
