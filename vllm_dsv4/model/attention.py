@@ -107,7 +107,7 @@ class Attention(nn.Module):
         o[num_tokens:].zero_()
         if not num_tokens:
             return
-        x, q_latent, q, kv, positions = (t[:num_tokens] for t in (x, q_latent, q, kv, positions))
+        x, q_latent, q, kv, positions, o = (t[:num_tokens] for t in (x, q_latent, q, kv, positions, o))
         req = md.token_to_req  # [T], -1 for padding
         self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, req, positions)
         main = None
