@@ -136,8 +136,8 @@ def _rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, no
     assert out.shape == x.shape and out.dtype == x.dtype, (out.shape, x.shape, out.dtype, x.dtype)
     if x.numel() == 0:
         return out
-    x4, out4 = _two_middle_axes(x), _two_middle_axes(out)  # [T, A, B, d]
     assert out.dim() <= 4 or out.is_contiguous(), ("out needs at most two middle axes", out.shape, out.stride())
+    x4, out4 = _two_middle_axes(x), _two_middle_axes(out)  # [T, A, B, d]
     A, B = x4.shape[1:3]
     inv_freq = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     block_m = max(1, min(triton.next_power_of_2(B), 8192 // max(16, triton.next_power_of_2(d))))

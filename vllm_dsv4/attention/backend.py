@@ -7,7 +7,9 @@ into one block pool, vllm_plugin_surface.md §2.4) and builds the step metadata 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from vllm.v1.attention.backend import (
@@ -35,6 +37,13 @@ class CacheStepMetadata:
     # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
     # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
     plans: dict = field(default_factory=dict, compare=False)
+
+    def once(self, key, make: Callable[[], Any]) -> Any:
+        """``make()`` for the first layer of this step that asks for ``key``, kept in ``plans`` and
+        returned as it is to every later one."""
+        if key not in self.plans:
+            self.plans[key] = make()
+        return self.plans[key]
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):

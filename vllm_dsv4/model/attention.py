@@ -15,7 +15,7 @@ from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.kv.layout import fp8_entries, layer_components
 from vllm_dsv4.model.cache import CacheLayer
-from vllm_dsv4.model.compressor import Compressor
+from vllm_dsv4.model.compressor import Compressor, visible_entries
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.model.parallel import Shard
@@ -131,23 +131,20 @@ class Attention(nn.Module):
     def _window(self, md, start, positions):
         """SWA entries [t, W] of the chunk from ``start``: the last ``window`` token positions up to
         each query, -1 before position 0 (once per step and chunk: every layer's are the same)."""
-        key = ("window entries", start)
-        if key not in md.plans:
-            md.plans[key] = (positions[:, None] + self.window_offsets).clamp_(min=-1)
-        return md.plans[key]
+        return md.once(("window entries", start), lambda: (positions[:, None] + self.window_offsets).clamp_(min=-1))
 
     def _compressed_entries(self, md, x, q_latent, positions):
         """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry (once per
         step: every C128 layer's are the same), or the indexer's C4 picks."""
         if self.ratio == 4:
             return self.indexer(x, q_latent, positions)  # [T, topk]
-        if "c128 entries" not in md.plans:
-            num_visible = torch.div(positions + 1, self.ratio, rounding_mode="floor")  # [T]
-            # Decode steps attend a fixed width (what a CUDA graph replays); others the step's longest prefix.
-            width = self.max_c128_entries if md.decode_only else max(int(num_visible.max()), 1)
+
+        def every_visible():
+            num_visible, width = visible_entries(md, positions, self.ratio, self.max_c128_entries)
             entries = torch.arange(width, device=x.device)
-            md.plans["c128 entries"] = torch.where(entries < num_visible[:, None], entries, -1)
-        return md.plans["c128 entries"]
+            return torch.where(entries < num_visible[:, None], entries, -1)
+
+        return md.once("c128 entries", every_visible)
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one

@@ -41,10 +41,8 @@ class Compressor(nn.Module):
         self.state_cache.write_state(md_state, req, positions, kv, gate, self.ape)
         # Which windows close depends on the step's tokens only: the first compressor of this ratio
         # works it out and every later layer's reuses it (a CUDA graph replays that first computation).
-        key = ("closed windows", self.ratio)
-        if key not in md_state.plans:
-            md_state.plans[key] = self._closed_windows(req, positions, md_state.decode_only)
-        closed = md_state.plans[key]
+        closed = md_state.once(("closed windows", self.ratio),
+                               lambda: self._closed_windows(req, positions, md_state.decode_only))
         if closed is None:
             return
         rows = self.state_cache.read(md_state, closed.read_req, closed.read_entry)  # [N, S, 2*coff*d]
@@ -67,6 +65,18 @@ class Compressor(nn.Module):
         return ClosedWindows(read_req=r.clamp(min=0)[:, None], read_entry=window.clamp(min=0), valid=window >= 0,
                              rope_positions=pos - self.ratio + 1, out_req=out_req,
                              entry=torch.div(pos, self.ratio, rounding_mode="floor"))
+
+
+def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -> tuple[torch.Tensor, int]:
+    """``(num_visible [T], width)``: the compressed entries of ``ratio`` each query sees, (p + 1) // ratio,
+    and how many a step scores or attends: ``max_entries`` in decode steps (fixed shapes, what a CUDA
+    graph replays), else the step's largest count. Once per step: every layer's are the same."""
+
+    def count():
+        num_visible = torch.div(positions + 1, ratio, rounding_mode="floor")
+        return num_visible, max_entries if md.decode_only else max(int(num_visible.max()), 1)
+
+    return md.once(("visible entries", ratio), count)
 
 
 class ClosedWindows(NamedTuple):

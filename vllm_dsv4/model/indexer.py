@@ -8,7 +8,7 @@ from torch import nn
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.cache import CacheLayer
-from vllm_dsv4.model.compressor import Compressor
+from vllm_dsv4.model.compressor import Compressor, visible_entries
 from vllm_dsv4.model.layers import Linear
 
 
@@ -39,12 +39,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)  # [T, Hi, di]
         q = ops.apply_rope_tail(q, positions, self.inv_freq)
         weights = self.weights_proj(x).float() * self.weight_scale  # [T, Hi]
-        if "visible entries" not in md.plans:  # once per step: every C4 layer's are the same
-            num_visible = torch.div(positions + 1, 4, rounding_mode="floor")  # [T]
-            # Decode steps score a fixed width (what a CUDA graph replays); others the step's longest prefix.
-            width = self.max_entries if md.decode_only else max(int(num_visible.max()), 1)
-            md.plans["visible entries"] = num_visible, width
-        num_visible, width = md.plans["visible entries"]
+        num_visible, width = visible_entries(md, positions, 4, self.max_entries)
         comp = self.key_cache.component
         return ops.indexer_topk_paged(q, weights, self.key_cache.view, md.block_table, md.token_to_req, num_visible,
                                       comp.entries_per_block, comp.fp8, self.topk, width)

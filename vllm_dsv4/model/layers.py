@@ -108,15 +108,15 @@ def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_
         target = param_target(name)
         if spec.dtype != torch.float8_e4m3fn or name.startswith("mtp.") or target.expert is not None:
             continue
+        wo_a = name.endswith(".attn.wo_a.weight")
         # ops.rope_out_proj's 128-wide K blocks stay within a head
-        if any(size % FP8_BLOCK for size in spec.shape) or (name.endswith(".attn.wo_a.weight")
-                                                             and cfg.head_dim % FP8_BLOCK):
+        if any(size % FP8_BLOCK for size in spec.shape) or (wo_a and cfg.head_dim % FP8_BLOCK):
             not_whole_blocks.add(target.param)
             continue
         dim = sharded_dim(name)
         if dim is not None:
             shard.check_blocks(spec.shape[dim], FP8_BLOCK, name)
-        held[target.param] = shard.part(cfg.o_groups, "o_groups") if name.endswith(".attn.wo_a.weight") else 1
+        held[target.param] = shard.part(cfg.o_groups, "o_groups") if wo_a else 1
     return {param: groups for param, groups in held.items() if param not in not_whole_blocks}
 
 
