@@ -46,9 +46,10 @@ from vllm_dsv4.model.parallel import Shard
 # amax rule, wo_a at 7 tokens), so the bound is 2^-6: still far below what a layout or scale bug gives.
 TIGHT_RMS = 2.0**-6
 
-# V4-Flash linears (name: out, in) and token counts: decode, a ragged few, a prefill chunk.
-FLASH_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
-                "shared_w13": (2048, 4096), "shared_w2": (4096, 2048)}
+# The block-FP8 linears the model holds at V4-Flash dimensions (name: out, in; fp8_linears, with the
+# merged wq_a + wkv and shared w1 + w3) and token counts: decode, a ragged few, a prefill chunk.
+FLASH_SHAPES = {"wqkv_a": (1536, 4096), "wq_b": (32768, 1024), "indexer_wq_b": (8192, 1024),
+                "wo_b": (4096, 8192), "shared_w13": (4096, 4096), "shared_w2": (4096, 2048)}
 TOKENS = (1, 7, 300)
 WO_A = dict(groups=8, rank=1024, in_features=4096)
 
@@ -377,8 +378,8 @@ def test_vllm_block_fp8_kernel_matches_the_reference(vllm_context, name, tokens)
 def test_vllm_triton_fallback_matches_the_reference(vllm_context, tokens):
     from vllm_dsv4.compat import triton_block_fp8_gemm
 
-    w, s = fp8_weight(*FLASH_SHAPES["wq_a"], seed=11, device="cuda")
-    x = activations(tokens, FLASH_SHAPES["wq_a"][1], seed=12, device="cuda")
+    w, s = fp8_weight(*FLASH_SHAPES["wqkv_a"], seed=11, device="cuda")
+    x = activations(tokens, FLASH_SHAPES["wqkv_a"][1], seed=12, device="cuda")
     check_kernel(triton_block_fp8_gemm(w, s)(x), x, w, s, "triton")
 
 
@@ -413,6 +414,6 @@ def test_vllm_picks_its_own_block_fp8_kernel_not_our_fallback(tiny_ckpt):
     from vllm_dsv4.compat import block_fp8_gemm
 
     with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
-        gemm = block_fp8_gemm(*fp8_weight(*FLASH_SHAPES["wq_a"], seed=15, device="cuda"))
+        gemm = block_fp8_gemm(*fp8_weight(*FLASH_SHAPES["wqkv_a"], seed=15, device="cuda"))
     print(f"block-FP8 kernel for wq_a on {torch.cuda.get_device_name()}: {gemm.kernel}")
     assert gemm.kernel != "triton"
