@@ -202,18 +202,21 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredS
     """Per request, the span from the lowest to the highest entry its queries name, laid out from row
     ``offset`` of the buffer in request order; reads the spans on the host (one small copy)."""
     valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
-    r = req.clamp(min=0)[:, None].expand_as(entries).long()  # [T, n]
-    named_req, named = r[valid], entries[valid].long()  # the named slots
-    lo = torch.full((num_req,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=req.device)
-    hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device)
-    lo = lo.scatter_reduce(0, named_req, named, "amin")
-    hi = hi.scatter_reduce(0, named_req, named, "amax")
+    none = torch.iinfo(torch.int64).max
+    named = entries.long()
+    # Each query's lowest and highest slot first, then per request: scattering all T x n slots onto a
+    # few requests' two counters serialises on their atomics (1.1 ms per call at 2,048 x 640 on the H200).
+    row_lo = torch.where(valid, named, none).amin(1)  # [T]; none / -1 for a row naming nothing
+    row_hi = torch.where(valid, named, -1).amax(1)
+    r = req.clamp(min=0).long()  # a padding row (req -1) names nothing, so request 0 takes no harm
+    lo = torch.full((num_req,), none, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_lo, "amin")
+    hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_hi, "amax")
     lo_host, hi_host = lo.cpu(), hi.cpu()
     counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
     start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
     span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
     span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
-    base = (start.to(req.device) - lo.clamp(max=1 << 62))[r]  # [T, n] kv row of entry 0's place
+    base = (start.to(req.device) - lo.clamp(max=1 << 62))[r][:, None]  # [T, 1] kv row of entry 0's place
     return GatheredSpans(span_req.to(req.device), span_entry.to(req.device), torch.where(valid, base + entries, -1),
                          int(counts.sum()))
 
