@@ -69,3 +69,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor):
     """The reference bound to one loaded weight: ``x [M, K] -> [M, N]`` (``ops.block_fp8_gemm``'s signature)."""
     return functools.partial(fp8_linear, weight=weight, weight_scale=weight_scale)
+
+
+def grouped_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, groups: int):
+    """A block-diagonal block-FP8 weight (group g: rows ``g*R .. (g+1)*R``) bound to its grouped GEMM
+    over activations already quantised per group: ``(q [T, G, K] e4m3, scale [T, G, K/128]) -> [T, G*R]``
+    bf16 (``ops.grouped_fp8_gemm``'s signature; each group is :func:`fp8_linear` past its quantiser)."""
+    w = dequant_weight(weight, weight_scale).view(groups, -1, weight.shape[1])  # [G, R, K]
+
+    def run(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("tgk,grk->tgr", dequant_act(q, scale), w).flatten(1).to(torch.bfloat16)
+
+    return run

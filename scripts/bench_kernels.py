@@ -144,7 +144,10 @@ def implementations(op: str) -> tuple[Callable, Callable]:
 def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     """The other GPU implementations of an op the model can run (``ops.OUT_PROJ``, ``ops.MOE_BACKEND``),
     bound to this case's inputs, built as the model builds them (call under vLLM's current config)."""
-    if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (auto, > 1,024 tokens)
+    if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (auto, > 1,024 tokens);
+        # our de-rotating quantiser, then DeepGEMM's grouped GEMM (einsum)
+        from csrc_triton.out_proj import default_tiles, rope_out_proj, rope_quant_fp8
+        from vllm_dsv4.compat import grouped_fp8_gemm
         from vllm_dsv4.model.attention import grouped_out_proj
         from vllm_dsv4.model.layers import Linear
 
@@ -154,7 +157,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         linear.weight.data.copy_(weight)
         linear.weight_scale.data.copy_(weight_scale)
         linear.finish_loading()
-        from csrc_triton.out_proj import default_tiles, rope_out_proj
+        einsum = grouped_fp8_gemm(weight.clone(), weight_scale.clone(), groups)
 
         # other tile shapes of the fused kernel, named mBLOCK_M nBLOCK_N wWARPS sSTAGES [kSPLIT_K]
         T, chosen = o.shape[0], default_tiles(o.shape[0])
@@ -167,7 +170,8 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
                  + (f"k{t['SPLIT_K']}" if "SPLIT_K" in t else ""):
                  (lambda t=t: rope_out_proj(o, positions, inv_freq, weight, weight_scale, groups, tiles=t))
                  for t in sweep if t != chosen}
-        return {"grouped": lambda: grouped_out_proj(o, positions, inv_freq, linear, groups)} | tiled
+        return {"grouped": lambda: grouped_out_proj(o, positions, inv_freq, linear, groups),
+                "einsum": lambda: einsum(*rope_quant_fp8(o, positions, inv_freq, groups))} | tiled
     if op == "moe_experts_mxfp4":  # vLLM's Marlin MXFP4 MoE, the weights repacked once
         from vllm_dsv4 import compat
 

@@ -16,6 +16,7 @@
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
+#   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 set -o pipefail
@@ -66,9 +67,13 @@ case "${1:-unit}" in
     flash_checkpoint
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
-  bench-marlin | bench-fused)  # our engine with an opt-in kernel
+  bench-marlin | bench-fused | bench-einsum)  # our engine with an opt-in kernel
     flash_checkpoint
-    case $1 in bench-marlin) export VLLM_DSV4_MOE=marlin ;; bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;; esac
+    case $1 in
+      bench-marlin) export VLLM_DSV4_MOE=marlin ;;
+      bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;;
+      bench-einsum) export VLLM_DSV4_OUT_PROJ=einsum ;;
+    esac
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" \
       > "$LOG_DIR/$1.log" 2>&1; summary "$LOG_DIR/$1.log" ;;
   report)

@@ -45,6 +45,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    ``attn_sink``) for prefill, present when ``is_flashmla_sparse_supported()``
    (Hopper and Blackwell builds) | not on CPU | ``flashmla_sparse()`` returns them or None; our
    Triton attention runs otherwise | delete when both versions ship the same module.
+9. DeepGEMM's grouped FP8 GEMM (GPU path, opt-in ``VLLM_DSV4_OUT_PROJ=einsum``) |
+   ``vllm.utils.deep_gemm``: ``fp8_einsum("bhr,hdr->bhd", ...)`` and ``transform_sf_into_required_layout``
+   (what vLLM 0.26's in-tree DeepSeek-V4 runs ``wo_a`` on) | not on CPU | ``grouped_fp8_gemm()``, an
+   error naming the missing piece otherwise | make it the default once its GPU test and the
+   benchmark have run.
 """
 
 from __future__ import annotations
@@ -293,6 +298,33 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
                                            output_dtype=torch.bfloat16)
 
     return BlockFp8Gemm("triton", run)
+
+
+def grouped_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, groups: int):
+    """Ledger 9: DeepGEMM's grouped FP8 GEMM bound to a block-diagonal block-FP8 weight (group g: rows
+    ``g*R .. (g+1)*R`` of ``weight`` [G*R, K], float32 scales [G*R/128, K/128]): ``(q [T, G, K] e4m3,
+    scale [T, G, K/128] float32) -> [T, G*R]`` bf16, activations laid out as ``csrc_triton.out_proj.
+    rope_quant_fp8`` writes them. The weight's scales are re-laid out once, here, into a copy (the
+    fused kernel keeps reading ``weight_scale``)."""
+    try:
+        from vllm.utils import deep_gemm
+    except ImportError as e:
+        raise ImportError(f"VLLM_DSV4_OUT_PROJ=einsum needs vllm.utils.deep_gemm; vLLM {vllm_version()} lacks it") from e
+    if not deep_gemm.is_deep_gemm_supported():
+        raise RuntimeError("VLLM_DSV4_OUT_PROJ=einsum needs DeepGEMM (a vLLM build with it, on Hopper or Blackwell)")
+    N, K = weight.shape
+    R = N // groups
+    w = weight.view(groups, R, K)
+    w_scale = deep_gemm.transform_sf_into_required_layout(
+        sf=weight_scale.view(groups, R // FP8_BLOCK, K // FP8_BLOCK), mn=R, k=K, recipe=(1, FP8_BLOCK, FP8_BLOCK),
+        num_groups=groups, is_sfa=False)
+
+    def run(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(q.shape[0], groups, R, dtype=torch.bfloat16, device=q.device)
+        deep_gemm.fp8_einsum("bhr,hdr->bhd", (q, scale), (w, w_scale), out, recipe=(1, FP8_BLOCK, FP8_BLOCK))
+        return out.flatten(1)
+
+    return run
 
 
 @functools.cache

@@ -10,7 +10,8 @@ caches runs FlashMLA's sparse kernels where they apply (attention/flashmla.py, f
 ``sparse_attn_cached`` for decode steps (graph-capturable), ``sparse_attn_prefill`` (same semantics,
 FlashMLA's prefill kernel, host syncs) for the others;
 ``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` opts into vLLM's
-Marlin MoE; ``VLLM_DSV4_OUT_PROJ`` picks ``wo_a``'s path (``auto``: by step size).
+Marlin MoE; ``VLLM_DSV4_OUT_PROJ`` picks ``wo_a``'s path (``auto``: by step size; ``einsum``:
+``rope_quant_fp8`` then DeepGEMM's grouped GEMM, ``grouped_fp8_gemm(weight, scale, groups)``).
 """
 
 import os
@@ -30,10 +31,11 @@ if MOE_BACKEND not in ("triton", "marlin", "reference"):
 # wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py), or the rope kernel then vLLM's
 # block-FP8 GEMM per head group; "auto" takes the fused kernel up to OUT_PROJ_FUSED_MAX_TOKENS tokens
 # (on the H200 at V4-Flash's shape: 116 vs 851 us at 1 token, 890 vs 1,201 at 1,024, but 6,991 vs
-# 2,109 at 8,192; docs/bench, 2026-12-03).
+# 2,109 at 8,192; docs/bench, 2026-12-03); "einsum" (opt-in until benchmarked) quantises with our
+# kernel and multiplies with DeepGEMM's grouped GEMM at every size, as vLLM's in-tree model does.
 OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "auto") if USE_KERNELS else "reference"
-if OUT_PROJ not in ("auto", "grouped", "fused", "reference"):
-    raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'auto', 'grouped' or 'fused'")
+if OUT_PROJ not in ("auto", "grouped", "fused", "einsum", "reference"):
+    raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'auto', 'grouped', 'fused' or 'einsum'")
 OUT_PROJ_FUSED_MAX_TOKENS = 1024
 ATTN_BACKEND = os.environ.get("VLLM_DSV4_ATTN", "flashmla") if USE_KERNELS else "reference"
 if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
@@ -47,10 +49,10 @@ if USE_KERNELS:
     from csrc_triton.mhc import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.norm import rms_norm
-    from csrc_triton.out_proj import rope_out_proj
+    from csrc_triton.out_proj import rope_out_proj, rope_quant_fp8
     from csrc_triton.rope import apply_rope_tail, norm_rope_tail
     from csrc_triton.routing import route, swiglu_clamped
-    from vllm_dsv4.compat import block_fp8_gemm
+    from vllm_dsv4.compat import block_fp8_gemm, grouped_fp8_gemm
 
     if ATTN_BACKEND == "flashmla":
         from vllm_dsv4.attention.flashmla import sparse_attn_cached, sparse_attn_prefill
@@ -60,14 +62,14 @@ if USE_KERNELS:
         sparse_attn_prefill = sparse_attn_cached
 else:
     from csrc_triton.compressor_ref import compress_windows, write_state_rows
-    from csrc_triton.fp8_linear_ref import block_fp8_gemm
+    from csrc_triton.fp8_linear_ref import block_fp8_gemm, grouped_fp8_gemm
     from csrc_triton.indexer_ref import indexer_topk_paged
     from csrc_triton.kv_cache_ref import read_entries
     from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.norm_ref import rms_norm
-    from csrc_triton.out_proj_ref import rope_out_proj
+    from csrc_triton.out_proj_ref import rope_out_proj, rope_quant_fp8
     from csrc_triton.rope_ref import apply_rope_tail, norm_rope_tail
     from csrc_triton.routing_ref import route, swiglu_clamped
     from csrc_triton.sparse_attn_ref import sparse_attn_cached
@@ -78,6 +80,7 @@ __all__ = [
     "apply_rope_tail",
     "block_fp8_gemm",
     "compress_windows",
+    "grouped_fp8_gemm",
     "hc_head",
     "indexer_topk_paged",
     "mhc_post",
@@ -88,6 +91,7 @@ __all__ = [
     "norm_rope_tail",
     "read_entries",
     "rope_out_proj",
+    "rope_quant_fp8",
     "rms_norm",
     "rope_inv_freq",
     "route",

@@ -99,6 +99,17 @@ def test_out_proj_compiles_for_hopper(tokens, tensor_core_op):
     assert "div.rn.f32" in compiled.asm["ptx"] and "fma.rn.f32" not in compiled.asm["ptx"]
 
 
+def test_rope_quant_compiles_for_hopper():
+    """The de-rotating quantiser of the einsum path: V4-Flash's 64 heads of 512 in 8 groups, quantised
+    with the fused kernel's arithmetic (the same PTX markers)."""
+    o, positions, inv_freq, *_ = out_proj_args(16, 64, 512, 64, 8, 128, torch.bfloat16, device="cpu")
+    (launch,) = captured_launches(out_proj._rope_quant_kernel, out_proj.rope_quant_fp8, o, positions, inv_freq, 8)
+    compiled = compile_for_hopper(out_proj._rope_quant_kernel, *launch)
+    assert compiled.metadata.shared <= MAX_SHARED_BYTES
+    assert "mul.rn.f32" in compiled.asm["ptx"] and "0f3B124925" in compiled.asm["ptx"]
+    assert "div.rn.f32" in compiled.asm["ptx"] and "fma.rn.f32" not in compiled.asm["ptx"]
+
+
 V4_MAIN, V4_INDEX = Fp8Entry(512, 64), Fp8Entry(128, None)  # FP8 cache entries of 584 B, 132 B
 
 

@@ -19,8 +19,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from csrc_triton.out_proj import rope_out_proj  # noqa: E402
+from csrc_triton.out_proj import rope_out_proj, rope_quant_fp8  # noqa: E402
 from csrc_triton.out_proj_ref import rope_out_proj as rope_out_proj_ref  # noqa: E402
+from csrc_triton.out_proj_ref import rope_quant_fp8 as rope_quant_fp8_ref  # noqa: E402
 from tests.csrc_triton.kernel_cases import DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, out_proj_args  # noqa: E402
 
 pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -66,3 +67,21 @@ def test_rope_out_proj_other_tiles_match_ref(tiles):
     """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
     args = out_proj_args(70, 4, 128, 32, 2, 128, torch.bfloat16)
     assert_close(rope_out_proj(*args, tiles=tiles), rope_out_proj_ref(*args), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, H, d, r, G, R", SHAPES)
+def test_rope_quant_fp8_matches_ref_bit_for_bit(T, H, d, r, G, R, dtype):
+    """The de-rotated, quantised activations of the grouped-GEMM path: the same e4m3 codes and scales
+    as the reference (same rounding rules, module doc), laid out as DeepGEMM's grouped GEMM reads
+    them, with the scales' padding rows (tokens up to a multiple of 4) at 0."""
+    o, positions, inv_freq, *_ = out_proj_args(T, H, d, r, G, R, dtype)
+    q, scale = rope_quant_fp8(o, positions, inv_freq, G)
+    q_ref, scale_ref = rope_quant_fp8_ref(o, positions, inv_freq, G)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    if T:  # (an empty tensor's strides say nothing)
+        K, padded = H // G * d, -(-T // 4) * 4
+        assert q.stride() == (K, T * K, 1)  # group-major
+        assert scale.stride() == (1, K // 128 * padded, padded)  # per group, tokens fastest
+        storage = torch.as_strided(scale, (G, K // 128, padded), (K // 128 * padded, padded, 1))
+        assert not storage[:, :, T:].any()

@@ -191,6 +191,28 @@ def test_rope_out_proj_reference_is_within_the_fp8_bound(tokens):
         assert (err <= fp8_bound(x[:, g], rows, pow2=False) + arithmetic).all(), g
 
 
+def test_einsum_out_proj_binds_one_grouped_gemm_that_composes_to_the_reference(cpu_ops, monkeypatch):
+    """``ops.OUT_PROJ == "einsum"``: wo_a binds one grouped GEMM (no per-group GEMMs), and the de-rotated,
+    quantised activations through it give out_proj_ref's projection: the same groups, in order."""
+    from csrc_triton.out_proj_ref import rope_out_proj, rope_quant_fp8
+    from csrc_triton.rope_ref import rope_inv_freq
+    from vllm_dsv4 import ops
+
+    monkeypatch.setattr(ops, "OUT_PROJ", "einsum")
+    groups, rank, heads, head_dim, tokens = 2, 128, 4, 128, 5
+    lin = held_linear(groups * rank, heads // groups * head_dim, seed=21, groups=groups)
+    assert lin.gemms == () and lin.grouped_gemm is not None
+    o = activations(tokens, heads * head_dim, seed=22, dtype=torch.float32).view(tokens, heads, head_dim)
+    positions, inv_freq = torch.arange(tokens) * 977, rope_inv_freq(32, 10000.0, 1, 4096)
+    y = lin.grouped_quantised(*rope_quant_fp8(o, positions, inv_freq, groups))
+    assert y.shape == (tokens, groups * rank)
+    assert rel_rms(y, rope_out_proj(o, positions, inv_freq, lin.weight, lin.weight_scale, groups)) <= 2.0**-8
+    monkeypatch.setattr(ops, "OUT_PROJ", "reference")
+    per_group = held_linear(groups * rank, 256, seed=23, groups=groups)
+    with pytest.raises(RuntimeError, match="VLLM_DSV4_OUT_PROJ=einsum"):
+        per_group.grouped_quantised(*rope_quant_fp8(o, positions, inv_freq, groups))
+
+
 def test_fp8_storage_refuses_to_compute_before_finish_loading():
     lin = Linear(128, 128)
     lin.hold_fp8()
@@ -403,6 +425,30 @@ def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, token
     for g in range(groups):
         check_kernel(y[:, g], x[g], w[g * rank : (g + 1) * rank], s[g * blocks : (g + 1) * blocks],
                      lin.gemms[g].kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_grouped_wo_a_in_fp8_through_deepgemm_einsum_matches_the_reference(vllm_context, tokens):
+    """``VLLM_DSV4_OUT_PROJ=einsum``: our de-rotating quantiser's output through DeepGEMM's grouped
+    GEMM (compat ledger 9), each group against the reference linear of the de-rotated activations."""
+    from csrc_triton.out_proj import rope_quant_fp8
+    from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
+    from vllm_dsv4.compat import grouped_fp8_gemm
+
+    groups, rank, in_features, head_dim = WO_A["groups"], WO_A["rank"], WO_A["in_features"], 512
+    heads = groups * in_features // head_dim
+    w, s = fp8_weight(groups * rank, in_features, seed=17, device="cuda")
+    o = activations(tokens, heads * head_dim, seed=18, device="cuda").view(tokens, heads, head_dim)
+    positions = torch.arange(tokens, device="cuda") * 977
+    inv_freq = rope_inv_freq(64, 10000.0, 1, 4096).cuda()
+    y = grouped_fp8_gemm(w, s, groups)(*rope_quant_fp8(o, positions, inv_freq, groups))
+    assert y.shape == (tokens, groups * rank)
+    x = apply_rope_tail(o, positions, inv_freq, inverse=True).reshape(tokens, groups, in_features)
+    blocks = rank // GROUP
+    for g in range(groups):
+        check_kernel(y[:, g * rank : (g + 1) * rank], x[:, g], w[g * rank : (g + 1) * rank],
+                     s[g * blocks : (g + 1) * blocks], "DeepGEMM fp8_einsum")
 
 
 @pytest.mark.gpu

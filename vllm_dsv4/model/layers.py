@@ -32,6 +32,7 @@ class Linear(nn.Module):
         self.register_parameter("weight_scale", None)
         self.groups = 1
         self.gemms: tuple = ()  # one ops.block_fp8_gemm per row group, after finish_loading
+        self.grouped_gemm = None  # or all row groups' ops.grouped_fp8_gemm (ops.OUT_PROJ == "einsum")
 
     def hold_fp8(self, groups: int = 1) -> None:
         """Before loading: keep the checkpoint's FP8 bytes and block scales instead of dequantising.
@@ -50,12 +51,15 @@ class Linear(nn.Module):
         self.groups = groups
 
     def finish_loading(self) -> None:
-        """After loading: bind each row group's FP8 weight to its GEMM; with ``ops.OUT_PROJ == "fused"``
-        grouped rows are left unbound (only the fused kernel reads them). Binding keeps the values of
-        ``weight`` and ``weight_scale``, which the fused kernel reads under ``auto``: the checkpoint's
-        scales are powers of two, so DeepGEMM's UE8M0 re-quantisation changes nothing
-        (tests/model/test_fp8_linear.py checks both paths after binding)."""
+        """After loading: bind each row group's FP8 weight to its GEMM; grouped rows go to one grouped
+        GEMM with ``ops.OUT_PROJ == "einsum"`` and stay unbound with ``"fused"`` (only the fused kernel
+        reads them). Binding keeps the values of ``weight`` and ``weight_scale``, which the fused kernel
+        reads under ``auto``: the checkpoint's scales are powers of two, so DeepGEMM's UE8M0
+        re-quantisation changes nothing (tests/model/test_fp8_linear.py checks both paths after binding)."""
         if self.weight_scale is None or (self.groups > 1 and ops.OUT_PROJ == "fused"):
+            return
+        if self.groups > 1 and ops.OUT_PROJ == "einsum":
+            self.grouped_gemm = ops.grouped_fp8_gemm(self.weight.data, self.weight_scale.data, self.groups)
             return
         rows = self.out_features // self.groups
         block_rows = rows // FP8_BLOCK if self.groups > 1 else self.weight_scale.shape[0]
@@ -69,8 +73,9 @@ class Linear(nn.Module):
         """x [..., in] -> [..., out]."""
         if self.weight_scale is None:
             return F.linear(x.to(self.weight.dtype), self.weight)
-        if len(self._bound()) != 1:
+        if self.groups != 1:
             raise ValueError(f"this FP8 linear holds {self.groups} row groups: call grouped()")
+        self._bound()
         return self.gemms[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +88,13 @@ class Linear(nn.Module):
         if len(self._bound()) != num_groups:
             raise ValueError(f"x has {num_groups} groups; this FP8 linear holds {self.groups}")
         return torch.stack([gemm(xg) for gemm, xg in zip(self.gemms, x)], dim=1)
+
+    def grouped_quantised(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The block-diagonal FP8 linear over activations already quantised per group as
+        ``ops.rope_quant_fp8`` returns them (q [T, G, in] e4m3, scale [T, G, in/128]) -> [T, G * out/G]."""
+        if self.grouped_gemm is None:
+            raise RuntimeError("grouped_quantised() needs a weight bound with VLLM_DSV4_OUT_PROJ=einsum")
+        return self.grouped_gemm(q, scale)
 
     def _bound(self) -> tuple:
         if not self.gemms:
