@@ -211,7 +211,7 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredS
     r = req.clamp(min=0).long()  # a padding row (req -1) names nothing, so request 0 takes no harm
     lo = torch.full((num_req,), none, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_lo, "amin")
     hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_hi, "amax")
-    lo_host, hi_host = lo.cpu(), hi.cpu()
+    lo_host, hi_host = torch.stack([lo, hi]).cpu()  # one device-to-host copy
     counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
     start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
     span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
