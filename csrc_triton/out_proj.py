@@ -130,6 +130,12 @@ def _rope_quant_kernel(
         tl.store(qs_ptr + g * s_sg + m * s_st + (k // BLOCK_K) * s_sk, tl.where(m_ok, scale, 0.0), mask=m < T_scales)
 
 
+def _tail_cos_sin(positions: Tensor, inv_freq: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin [T, r/2] of the reference's fp32 angles, once per token (not per program)."""
+    angles = positions.to(device).float()[:, None] * inv_freq.to(device=device, dtype=torch.float32)
+    return angles.cos(), angles.sin()
+
+
 def fits(o: Tensor, weight: Tensor, groups: int, rope_dim: int) -> bool:
     """Whether the kernel covers these shapes: 128-blocks within heads, whole 128-row output blocks
     per group, the rope tail within a head's last 128-block."""
@@ -163,10 +169,8 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
     assert (N // groups) % tiles["BLOCK_N"] == 0, (N, groups, tiles)
     k_split = triton.cdiv(K // BLOCK_K, split) * BLOCK_K
     partial = out[None] if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=o.device)
-    # the reference's angles and cos / sin, once per token (not per output block)
-    freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)  # [T, r/2]
     _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"], split)](
-        o, freqs.cos(), freqs.sin(), weight, weight_scale, partial,
+        o, *_tail_cos_sin(positions, inv_freq, o.device), weight, weight_scale, partial,
         T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups, k_split,
         *o.stride(), *weight.stride(), *weight_scale.stride(), *partial.stride(),
         ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_K=BLOCK_K, DOT_F32=_INTERPRETED, **tiles,
@@ -191,10 +195,9 @@ def rope_quant_fp8(o: Tensor, positions: Tensor, inv_freq: Tensor, groups: int) 
     q = torch.empty(groups, T, K, dtype=torch.uint8, device=o.device)
     scale = torch.empty(groups, K // BLOCK_K, T_scales, dtype=torch.float32, device=o.device).transpose(1, 2)
     if T_scales:
-        freqs = positions.to(o.device).float()[:, None] * inv_freq.to(device=o.device, dtype=torch.float32)
         block_m = min(32, max(16, triton.next_power_of_2(T_scales)))
         _rope_quant_kernel[(triton.cdiv(T_scales, block_m), H)](
-            o, freqs.cos(), freqs.sin(), q, scale,
+            o, *_tail_cos_sin(positions, inv_freq, o.device), q, scale,
             T, T_scales, H // groups, d, d - 2 * half_r, half_r,
             *o.stride(), *q.stride()[:2], *scale.stride(),
             ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_K=BLOCK_K,

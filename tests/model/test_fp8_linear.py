@@ -461,5 +461,5 @@ def test_vllm_picks_its_own_block_fp8_kernel_not_our_fallback(tiny_ckpt):
 
     with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
         gemm = block_fp8_gemm(*fp8_weight(*FLASH_SHAPES["wqkv_a"], seed=15, device="cuda"))
-    print(f"block-FP8 kernel for wq_a on {torch.cuda.get_device_name()}: {gemm.kernel}")
+    print(f"block-FP8 kernel for wqkv_a on {torch.cuda.get_device_name()}: {gemm.kernel}")
     assert gemm.kernel != "triton"

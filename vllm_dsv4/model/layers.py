@@ -75,8 +75,7 @@ class Linear(nn.Module):
             return F.linear(x.to(self.weight.dtype), self.weight)
         if self.groups != 1:
             raise ValueError(f"this FP8 linear holds {self.groups} row groups: call grouped()")
-        self._bound()
-        return self.gemms[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return self._bound()[0](x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """Block-diagonal linear (§5.6): group-major x [G, T, in] -> [T, G, out/G], group g through
