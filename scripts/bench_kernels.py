@@ -8,8 +8,9 @@ the op must move (the ``*_bytes`` helpers there), so the % column is a roofline 
 kernel line; the reference line is timed on the same bytes for comparison. Each case first checks the
 kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
 Skips (exit 0) without CUDA. Where the model can run another GPU implementation of an op (wo_a: the
-inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, which ``ops.OUT_PROJ=auto`` takes above
-1,024 tokens, against our fused kernel; routed experts: vLLM's Marlin MXFP4 MoE against ours), that
+inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, and our de-rotating quantiser then
+DeepGEMM's grouped GEMM, which ``ops.OUT_PROJ=auto`` takes above 1,024 tokens where vLLM has it, against
+our fused kernel; routed experts: vLLM's Marlin MXFP4 MoE against ours), that
 is timed too, built as the model builds it under the vLLM config a worker loading DeepSeek-V4 has:
 which one the model should run at which size is this table's question.
 """
@@ -144,8 +145,8 @@ def implementations(op: str) -> tuple[Callable, Callable]:
 def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     """The other GPU implementations of an op the model can run (``ops.OUT_PROJ``, ``ops.MOE_BACKEND``),
     bound to this case's inputs, built as the model builds them (call under vLLM's current config)."""
-    if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (auto, > 1,024 tokens);
-        # our de-rotating quantiser, then DeepGEMM's grouped GEMM (einsum)
+    if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (grouped);
+        # our de-rotating quantiser, then DeepGEMM's grouped GEMM (einsum; auto's above 1,024 tokens)
         from csrc_triton.out_proj import default_tiles, rope_out_proj, rope_quant_fp8
         from vllm_dsv4.compat import grouped_fp8_gemm
         from vllm_dsv4.model.attention import grouped_out_proj
@@ -156,7 +157,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         linear.hold_fp8(groups)
         linear.weight.data.copy_(weight)
         linear.weight_scale.data.copy_(weight_scale)
-        linear.finish_loading()
+        linear.finish_loading("grouped")
         einsum = grouped_fp8_gemm(weight.clone(), weight_scale.clone(), groups)
 
         # other tile shapes of the fused kernel, named mBLOCK_M nBLOCK_N wWARPS sSTAGES [kSPLIT_K]

@@ -45,11 +45,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    ``attn_sink``) for prefill, present when ``is_flashmla_sparse_supported()``
    (Hopper and Blackwell builds) | not on CPU | ``flashmla_sparse()`` returns them or None; our
    Triton attention runs otherwise | delete when both versions ship the same module.
-9. DeepGEMM's grouped FP8 GEMM (GPU path, opt-in ``VLLM_DSV4_OUT_PROJ=einsum``) |
-   ``vllm.utils.deep_gemm``: ``fp8_einsum("bhr,hdr->bhd", ...)`` and ``transform_sf_into_required_layout``
-   (what vLLM 0.26's in-tree DeepSeek-V4 runs ``wo_a`` on) | not on CPU | ``grouped_fp8_gemm()``, an
-   error naming the missing piece otherwise | make it the default once its GPU test and the
-   benchmark have run.
+9. DeepGEMM's grouped FP8 GEMM (GPU path: ``wo_a`` above 1,024 tokens under ``VLLM_DSV4_OUT_PROJ=auto``,
+   every size with ``einsum``) | ``vllm.utils.deep_gemm``: ``fp8_einsum("bhr,hdr->bhd", ...)`` and
+   ``transform_sf_into_required_layout`` (what vLLM 0.26's in-tree DeepSeek-V4 runs ``wo_a`` on) | not
+   on CPU | ``has_grouped_fp8_gemm()`` says whether it binds; ``grouped_fp8_gemm()`` raises an error
+   naming the missing piece otherwise | delete the check when both versions ship it.
 """
 
 from __future__ import annotations
@@ -298,6 +298,17 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
                                            output_dtype=torch.bfloat16)
 
     return BlockFp8Gemm("triton", run)
+
+
+@functools.cache
+def has_grouped_fp8_gemm() -> bool:
+    """Whether ledger 9 binds here: vLLM ships ``vllm.utils.deep_gemm`` with ``fp8_einsum`` and DeepGEMM
+    runs on this GPU."""
+    try:
+        from vllm.utils import deep_gemm
+    except ImportError:
+        return False
+    return hasattr(deep_gemm, "fp8_einsum") and deep_gemm.is_deep_gemm_supported()
 
 
 def grouped_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, groups: int):

@@ -28,11 +28,12 @@ USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "referenc
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):
     raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
-# wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py), or the rope kernel then vLLM's
-# block-FP8 GEMM per head group; "auto" takes the fused kernel up to OUT_PROJ_FUSED_MAX_TOKENS tokens
-# (on the H200 at V4-Flash's shape: 116 vs 851 us at 1 token, 890 vs 1,201 at 1,024, but 6,991 vs
-# 2,109 at 8,192; docs/bench, 2026-12-03); "einsum" (opt-in until benchmarked) quantises with our
-# kernel and multiplies with DeepGEMM's grouped GEMM at every size, as vLLM's in-tree model does.
+# wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py) up to OUT_PROJ_FUSED_MAX_TOKENS
+# tokens under "auto" (on the H200 at V4-Flash's shape: 116 vs 851 us at 1 token, 890 vs 1,201 at 1,024
+# against per-group GEMMs, but 6,991 vs 2,109 at 8,192; docs/bench, 2026-12-03); above it our
+# de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM ships it (H200, 2026-12-04: prefill
+# 39,875 -> 50,712 tok/s at 8k, 34,032 -> 48,754 at 32k), else the rope kernel then vLLM's block-FP8
+# GEMM per head group. "fused", "grouped" and "einsum" take one path at every size.
 OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "auto") if USE_KERNELS else "reference"
 if OUT_PROJ not in ("auto", "grouped", "fused", "einsum", "reference"):
     raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'auto', 'grouped', 'fused' or 'einsum'")
@@ -100,3 +101,14 @@ __all__ = [
     "swiglu_clamped",
     "write_state_rows",
 ]
+
+
+def binds_grouped_gemm(out_proj: str) -> bool:
+    """Whether an FP8 ``wo_a`` binds one grouped GEMM (``grouped_fp8_gemm``) under ``out_proj``: with
+    ``einsum``, and with ``auto`` where DeepGEMM's exists (asked at bind time, in the worker: it reads
+    the GPU)."""
+    if out_proj == "auto" and USE_KERNELS:
+        from vllm_dsv4.compat import has_grouped_fp8_gemm
+
+        return has_grouped_fp8_gemm()
+    return out_proj == "einsum"

@@ -191,6 +191,23 @@ def test_rope_out_proj_reference_is_within_the_fp8_bound(tokens):
         assert (err <= fp8_bound(x[:, g], rows, pow2=False) + arithmetic).all(), g
 
 
+@pytest.mark.parametrize("deep_gemm", [True, False], ids=["with_deepgemm", "without"])
+def test_auto_out_proj_binds_the_grouped_gemm_where_deepgemm_runs(cpu_ops, monkeypatch, deep_gemm):
+    """``ops.OUT_PROJ == "auto"`` on a GPU: wo_a binds DeepGEMM's grouped GEMM (for steps above
+    ``OUT_PROJ_FUSED_MAX_TOKENS``) where vLLM has it, one GEMM per group otherwise; ungrouped
+    linears bind one GEMM either way."""
+    from vllm_dsv4 import compat, ops
+
+    monkeypatch.setattr(ops, "OUT_PROJ", "auto")
+    monkeypatch.setattr(ops, "USE_KERNELS", True)
+    monkeypatch.setattr(compat, "has_grouped_fp8_gemm", lambda: deep_gemm)
+    grouped = held_linear(2 * 128, 256, seed=24, groups=2)
+    assert (grouped.grouped_gemm is not None) == deep_gemm
+    assert len(grouped.gemms) == (0 if deep_gemm else 2)
+    plain = held_linear(256, 384, seed=25)
+    assert plain.grouped_gemm is None and len(plain.gemms) == 1
+
+
 def test_einsum_out_proj_binds_one_grouped_gemm_that_composes_to_the_reference(cpu_ops, monkeypatch):
     """``ops.OUT_PROJ == "einsum"``: wo_a binds one grouped GEMM (no per-group GEMMs), and the de-rotated,
     quantised activations through it give out_proj_ref's projection: the same groups, in order."""
@@ -408,15 +425,16 @@ def test_vllm_triton_fallback_matches_the_reference(vllm_context, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, tokens):
-    """Also: binding the groups to vLLM's GEMMs leaves the held bytes as loaded, which is what the
-    fused kernel reads when ``ops.OUT_PROJ`` is ``auto`` (both paths over the same weight)."""
+    """The per-group path (``VLLM_DSV4_OUT_PROJ=grouped``, and ``auto``'s above 1,024 tokens without
+    DeepGEMM). Also: binding the groups to vLLM's GEMMs leaves the held bytes as loaded, which is what
+    the fused kernel reads under ``auto`` (both paths over the same weight)."""
     groups, rank, in_features = WO_A["groups"], WO_A["rank"], WO_A["in_features"]
     w, s = fp8_weight(groups * rank, in_features, seed=13, device="cuda")
     lin = Linear(in_features, groups * rank).cuda()
     lin.hold_fp8(groups)
     lin.weight.data.copy_(w)
     lin.weight_scale.data.copy_(s)
-    lin.finish_loading()
+    lin.finish_loading("grouped")
     assert torch.equal(lin.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(lin.weight_scale, s)
     x = activations(groups * tokens, in_features, seed=14, device="cuda").view(groups, tokens, in_features)
     y = lin.grouped(x)

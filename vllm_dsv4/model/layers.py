@@ -32,7 +32,7 @@ class Linear(nn.Module):
         self.register_parameter("weight_scale", None)
         self.groups = 1
         self.gemms: tuple = ()  # one ops.block_fp8_gemm per row group, after finish_loading
-        self.grouped_gemm = None  # or all row groups' ops.grouped_fp8_gemm (ops.OUT_PROJ == "einsum")
+        self.grouped_gemm = None  # or all row groups' ops.grouped_fp8_gemm (ops.binds_grouped_gemm)
 
     def hold_fp8(self, groups: int = 1) -> None:
         """Before loading: keep the checkpoint's FP8 bytes and block scales instead of dequantising.
@@ -50,15 +50,17 @@ class Linear(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
         self.groups = groups
 
-    def finish_loading(self) -> None:
-        """After loading: bind each row group's FP8 weight to its GEMM; grouped rows go to one grouped
-        GEMM with ``ops.OUT_PROJ == "einsum"`` and stay unbound with ``"fused"`` (only the fused kernel
-        reads them). Binding keeps the values of ``weight`` and ``weight_scale``, which the fused kernel
-        reads under ``auto``: the checkpoint's scales are powers of two, so DeepGEMM's UE8M0
-        re-quantisation changes nothing (tests/model/test_fp8_linear.py checks both paths after binding)."""
-        if self.weight_scale is None or (self.groups > 1 and ops.OUT_PROJ == "fused"):
+    def finish_loading(self, out_proj: str | None = None) -> None:
+        """After loading: bind each row group's FP8 weight to its GEMM. Grouped rows bind as ``out_proj``
+        (default ``ops.OUT_PROJ``) says: one grouped GEMM where ``ops.binds_grouped_gemm``, none with
+        ``fused`` (only the fused kernel reads them), one GEMM per group otherwise. Binding keeps the
+        values of ``weight`` and ``weight_scale``, which the fused kernel reads under ``auto``: the
+        checkpoint's scales are powers of two, so DeepGEMM's UE8M0 re-quantisation changes nothing
+        (tests/model/test_fp8_linear.py checks both paths after binding)."""
+        out_proj = out_proj or ops.OUT_PROJ
+        if self.weight_scale is None or (self.groups > 1 and out_proj == "fused"):
             return
-        if self.groups > 1 and ops.OUT_PROJ == "einsum":
+        if self.groups > 1 and ops.binds_grouped_gemm(out_proj):
             self.grouped_gemm = ops.grouped_fp8_gemm(self.weight.data, self.weight_scale.data, self.groups)
             return
         rows = self.out_features // self.groups
@@ -92,7 +94,7 @@ class Linear(nn.Module):
         """The block-diagonal FP8 linear over activations already quantised per group as
         ``ops.rope_quant_fp8`` returns them (q [T, G, in] e4m3, scale [T, G, in/128]) -> [T, G * out/G]."""
         if self.grouped_gemm is None:
-            raise RuntimeError("grouped_quantised() needs a weight bound with VLLM_DSV4_OUT_PROJ=einsum")
+            raise RuntimeError("grouped_quantised() needs a weight bound to a grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum, or auto with DeepGEMM)")
         return self.grouped_gemm(q, scale)
 
     def _bound(self) -> tuple:
