@@ -9,23 +9,27 @@ distributions at the 512 generated positions are compared.
 Tolerance. Both paths use the same (dequantised) weights, so the difference comes from activations:
 FP8 e4m3 per-128-group quantisation before every FP8 linear (relative rounding error up to 2^-4,
 RMS about 2^-4/sqrt(12) ~ 1.8% per element, independent across the K summands, so a dot product's
-relative error is of that order, not K times it) and bf16 storage (2^-9 relative) of activations.
-Both paths store FP8 KV with the same codec, so a cached value differs only where the two paths'
-inputs fall on either side of an e4m3 rounding boundary: a fraction ~2%/2^-3 of values, each off by
-one e4m3 step (2^-3), about 5% RMS on a key. Over the layers of this preset that is a few percent of
-the logits' spread: on average the probability vectors stay at cosine similarity > 0.99 with the
-reference. The argmax, though, flips wherever the reference's top two log-probs are closer than that
-error, and this random-weight model's are close: their median gap is 0.2 nats (measured on the CPU
-reference, 4 prompts x 128 positions), so flips are not rare (H200, 2026-12-03: mean cosine 0.9954,
-top-1 agreement 0.87, the same with FlashMLA or our Triton attention and with FP8 or bf16 KV, and
-0.9986 agreement at the 1,457 positions with a margin > 0.5 nats; the
-CPU path in bf16 against fp32, without FP8 activations: 0.9993 and 0.97, and 1.0 at the 88 of 512
-positions with a margin > 0.5 nats). What must hold is that the
-argmax agrees where the reference is decisive: at positions whose top-1 margin exceeds
-``DECISIVE_NATS`` = 0.5 nats, several times the few-percent error of logits whose gaps are tenths of
-a nat, we require >= 99% agreement; over all positions the mean cosine > 0.99, and top-1 >= 0.8 (a
-regression guard under the measured 0.87, not a derivation). The minimum cosine is printed, not
-asserted: it is set by the flips at near-ties.
+relative error is of that order, not K times it), bf16 storage (2^-9 relative) of activations, and
+FP8 KV: both paths store it with the same codec, so a cached value differs only where the two
+paths' inputs fall on either side of an e4m3 rounding boundary (~2%/2^-3 of values, one e4m3 step
+each: ~5% RMS on a key). About seven such quantisations on a layer's path put its relative error near
+sqrt(7) x 1.8% plus the keys' share; we bound it by ``NOISE_PER_LAYER`` = 0.06, and the logits'
+relative error by eps = 0.06 sqrt(layers) (independent layers add in quadrature).
+
+What eps means for the metrics depends on the logits. With these random weights they are close to
+i.i.d. N(0, 1) over the vocabulary (head N(0, 1/D) on RMS-normed states), which the reference's
+top-1 margins confirm: the share of positions with a margin > 0.5 nats was 18% for ktiny's 1,024
+tokens and 10% for V4-Flash's 129k (H200, 2026-12-04), where that model gives 17-19% and 9-12%. So
+the thresholds are that model's expectations at eps (``noise_model``): N(0, 1) logits plus
+independent N(0, eps^2) noise give the mean cosine of the two probability vectors (over each side's
+top-k where only the top-k is returned: for 129k near-flat logits that is mostly the overlap of the
+two top-64 sets, far below the full vectors' cosine) and the top-1 agreement; the measured values
+must reach them. Measured (H200, 2026-12-04): ktiny (4 layers, eps bound 0.12, where the model gives
+cosine 0.993, top-1 0.80) cosine 0.9955, top-1 0.869; V4-Flash dims (6 layers, bound 0.147: about
+0.87 and 0.66 on top-64) 0.893 and 0.746, which the model matches at eps ~ 0.12 (and ktiny at
+~0.09). The argmax must also agree where the reference is decisive: at positions whose top-1 margin
+exceeds ``DECISIVE_NATS`` = 0.5 nats, >= 99% (the model gives >= 99% up to eps ~ 0.15; measured
+0.997 and 0.995). The minimum cosine is printed, not asserted: it is set by flips at near-ties.
 
 CUDA graphs: a generation of 128 tokens with decode steps replayed from full CUDA graphs (capture
 sizes up to the batch of 16, so the all-decode steps run the same kernels on the same shapes as
@@ -33,6 +37,7 @@ eager) must give the same tokens and log-probs as eager; so must a chunked-prefi
 mixed and prefill steps replay piecewise graphs.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -46,7 +51,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 PROMPT_LENS = (3, 4, 5, 127, 128, 129, 255, 256, 257, 300, 511, 512, 513, 700, 1000, 1200)
 NEW_TOKENS = 512
 GRAPH_TOKENS = 128  # decode steps of the CUDA-graph comparisons (each replays every layer's graph code)
-COSINE_MEAN_MIN, TOP1_MIN, DECISIVE_NATS, DECISIVE_TOP1_MIN = 0.99, 0.8, 0.5, 0.99
+NOISE_PER_LAYER, DECISIVE_NATS, DECISIVE_TOP1_MIN = 0.06, 0.5, 0.99
 PROMPTS = make_prompts(PROMPT_LENS, seed=3)
 FLASH_TOP_K = 64
 # FP8 KV on both paths (the same codec, the KV the model was trained to see); on Hopper the GPU path's
@@ -161,11 +166,32 @@ def dense_rows(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def agreement(tokens: list[list[int]], ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
+def noise_model(vocab: int, top_k: int | None, eps: float) -> tuple[float, float]:
+    """(mean cosine, top-1 agreement) between the probability vectors of N(0, 1) logits and of the same
+    logits plus N(0, eps^2) noise, i.i.d. over ``vocab`` tokens; with ``top_k``, each vector keeps only
+    its own top-k probabilities, as vLLM returns them. 4M logits at least (1,024 rows), in 128-row chunks."""
+    g = torch.Generator().manual_seed(0)
+    cosines, agree = [], []
+    for _ in range(max(8, (1 << 22) // (128 * vocab))):
+        exact = torch.randn(128, vocab, generator=g)
+        noisy = exact + eps * torch.randn(128, vocab, generator=g)
+        probs = []
+        for logits in (exact, noisy):
+            p = logits.softmax(-1)
+            if top_k:
+                p = torch.zeros_like(p).scatter_(1, *reversed(p.topk(top_k, dim=-1)))
+            probs.append(p)
+        cosines.append(torch.nn.functional.cosine_similarity(*probs, dim=-1))
+        agree.append(exact.argmax(-1) == noisy.argmax(-1))
+    return torch.cat(cosines).mean().item(), torch.cat(agree).float().mean().item()
+
+
+def agreement(tokens: list[list[int]], ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str,
+              checkpoint: Path, top_k: int | None = None) -> None:
     """Per prompt: the GPU path's greedy tokens and its [N, V] log-probs against the reference path's at
-    the same positions; prints the numbers and asserts the module doc's criteria. Over top-k rows the
-    cosine compares the probabilities both paths returned (a token missing from one side's top-k
-    counts as probability 0 there, which can only lower the cosine)."""
+    the same positions; prints the numbers and asserts the module doc's criteria for the checkpoint's
+    vocabulary and layer count. Over top-k rows the cosine compares the probabilities both paths
+    returned (a token missing from one side's top-k counts as probability 0 there)."""
     cosines, agree, decisive = [], [], []
     for toks, a, b in zip(tokens, ours, theirs):
         a, b = dense_rows(a), dense_rows(b)  # one prompt at a time: 512 dense V4-Flash rows are 0.5 GB
@@ -177,17 +203,20 @@ def agreement(tokens: list[list[int]], ours: list[torch.Tensor], theirs: list[to
     cos, agree, decisive = torch.cat(cosines), torch.cat(agree), torch.cat(decisive)
     top1, n_decisive = agree.double().mean().item(), int(decisive.sum())
     decisive_top1 = int((agree & decisive).sum()) / max(n_decisive, 1)
+    config = json.loads((checkpoint / "config.json").read_text())
+    eps = NOISE_PER_LAYER * config["num_hidden_layers"] ** 0.5
+    cos_min, top1_min = noise_model(config["vocab_size"], top_k, eps)
     print(f"GPU vs reference path ({what}): cosine min {cos.min():.5f} mean {cos.mean():.5f}; top-1 agreement "
           f"{top1:.4f} over {agree.numel()} positions, {decisive_top1:.4f} over the {n_decisive} with a reference "
-          f"margin > {DECISIVE_NATS} nats")
+          f"margin > {DECISIVE_NATS} nats; noise model at eps {eps:.3f}: cosine {cos_min:.4f}, top-1 {top1_min:.4f}")
     assert n_decisive > 0
     assert decisive_top1 >= DECISIVE_TOP1_MIN
-    assert cos.mean() > COSINE_MEAN_MIN
-    assert top1 >= TOP1_MIN
+    assert cos.mean() >= cos_min
+    assert top1 >= top1_min
 
 
-def test_gpu_path_matches_reference_path(both_paths):
-    agreement(*both_paths, "ktiny")
+def test_gpu_path_matches_reference_path(both_paths, ktiny_ckpt):
+    agreement(*both_paths, "ktiny", ktiny_ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +232,7 @@ def flash_ckpt(tmp_path_factory, make_checkpoint_module):
 def test_flash_dims_gpu_path_matches_reference_path(tmp_path_factory, flash_ckpt):
     """The same comparison at V4-Flash layer dimensions (64 heads of 512, 129k vocabulary, 256 experts,
     top-512 indexer) on top-FLASH_TOP_K log-probs (the full vocabulary would be 16 x 512 x 129k values),
-    with the ktiny criteria: the FP8 error argument does not depend on the dimensions, but no run has
-    yet measured where this model's numbers fall."""
+    with the module doc's criteria for six layers and top-k rows."""
     prompts = make_prompts(PROMPT_LENS, seed=4, vocab=100_000)
     engine = dict(ENGINE, gpu_memory_utilization=0.6)
     batches = [{"prompts": prompts, "logprobs": FLASH_TOP_K, "prompt_logprobs": False},
@@ -216,4 +244,5 @@ def test_flash_dims_gpu_path_matches_reference_path(tmp_path_factory, flash_ckpt
                "score_last": NEW_TOKENS}]
     ref = run_vllm(tmp_path_factory.mktemp("flash_ref"), flash_ckpt, dict(engine, dtype="float32"), forced,
                    "flash_ref", env={"VLLM_DSV4_OPS": "reference"}, max_tokens=1)
-    agreement(tokens, scored_logprobs(gpu, 1), scored_logprobs(ref, 0), f"V4-Flash dims, top-{FLASH_TOP_K}")
+    agreement(tokens, scored_logprobs(gpu, 1), scored_logprobs(ref, 0), f"V4-Flash dims, top-{FLASH_TOP_K}",
+              flash_ckpt, top_k=FLASH_TOP_K)
