@@ -7,21 +7,25 @@
 Each engine runs in its own process (vLLM keeps process-global state; the in-tree one needs our
 plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming every shape up:
   * time to ready: ``LLM(...)`` construction, wall clock;
-  * decode output tok/s at batch 1 / 16 / 64: 1k-token prompts, 128 output tokens, minus the time
-    of the same batch with 1 output token (so prefill is not counted);
+  * decode output tok/s at batch 1 / 16 / 64: 1k-token prompts, 128 output tokens; the engine is
+    stepped by hand and only the steps after every request has its first token are timed (no
+    prefill or mixed step counted);
   * prefill tok/s at 8k and 32k tokens (one prompt, 1 output token);
   * KV-cache bytes, token capacity (vLLM's own max concurrency at ``max_model_len`` times
     ``max_model_len``, the same formula for both engines) and bytes per token;
-  * with ``--profile``, the kernels that dominate 16 decode steps at batch 16 and an 8k-token
-    prefill (torch profiler tables).
+  * with ``--profile``, for 16 decode steps at batch 16 and an 8k-token prefill: the CUDA kernels
+    and the host-side ops that dominate (torch profiler tables, with the steps' wall time), and the
+    prefill's trace (Chrome trace format, gzipped) to find where the GPU waits on the host.
 vLLM 0.26's in-tree model applies YaRN to window-only layers (fixed in 0.32): compare speed, not outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -50,14 +54,47 @@ def prompts(n: int, length: int, seed: int, vocab: int):
     return [TokensPrompt(prompt_token_ids=torch.randint(10, vocab, (length,), generator=g).tolist()) for _ in range(n)]
 
 
-def timed_generate(llm, batch, max_tokens: int) -> float:
+def greedy(max_tokens: int):
+    """Fresh params per use: LLM.generate makes the params it gets final-output-only."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    llm.generate(batch, params, use_tqdm=False)  # warm-up of this shape
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def timed_generate(llm, batch, max_tokens: int) -> float:
+    llm.generate(batch, greedy(max_tokens), use_tqdm=False)  # warm-up of this shape
     start = time.perf_counter()
-    llm.generate(batch, params, use_tqdm=False)
+    llm.generate(batch, greedy(max_tokens), use_tqdm=False)
     return time.perf_counter() - start
+
+
+def add_warm(llm, batch, max_tokens: int, tag: str) -> None:
+    """A warm-up generation of ``batch``'s shapes, then ``batch`` added to the engine to be stepped by hand."""
+    llm.generate(batch, greedy(max_tokens), use_tqdm=False)
+    for i, prompt in enumerate(batch):
+        llm.llm_engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens))
+
+
+def start_decoding(llm, batch, max_tokens: int, tag: str) -> int:
+    """``add_warm``, then steps until every request has its first token: what is left are decode
+    steps. Returns the tokens produced so far."""
+    add_warm(llm, batch, max_tokens, tag)
+    engine, produced = llm.llm_engine, {}
+    while len(produced) < len(batch) and engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+    return sum(produced.values())
+
+
+def decode_tok_s(llm, batch, max_tokens: int) -> float:
+    """Output tokens per second of the pure decode steps of ``batch`` (see :func:`start_decoding`)."""
+    produced = start_decoding(llm, batch, max_tokens, f"decode-{len(batch)}")
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (len(batch) * max_tokens - produced) / (time.perf_counter() - start)
 
 
 def kv_capacity(llm) -> dict:
@@ -89,10 +126,8 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
                   env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")})
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for batch_size in decode_batches:
-        batch = prompts(batch_size, PROMPT_LEN, batch_size, vocab)
-        full = timed_generate(llm, batch, OUTPUT_LEN)
-        prefill = timed_generate(llm, batch, 1)
-        result[f"decode_tok_s_b{batch_size}"] = batch_size * (OUTPUT_LEN - 1) / (full - prefill)
+        result[f"decode_tok_s_b{batch_size}"] = decode_tok_s(llm, prompts(batch_size, PROMPT_LEN, batch_size, vocab),
+                                                             OUTPUT_LEN)
         print(f"[{name}] decode batch {batch_size}: {result[f'decode_tok_s_b{batch_size}']:.1f} tok/s", flush=True)
     for length in prefill_lens:
         seconds = timed_generate(llm, prompts(1, length, length, vocab), 1)
@@ -105,32 +140,38 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
 
 
 def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
-    """Which kernels dominate a step: the CUDA kernels (CPU ops without CUDA) of the engine steps
-    after every request of ``batch`` has its first token (decode), or of all its steps (prefill,
-    ``max_tokens=1``), sorted by time and written to ``path`` with the number of steps profiled."""
+    """What dominates a step: the engine steps after every request of ``batch`` has its first token
+    (decode), or all its steps (prefill, ``max_tokens=1``), profiled; written to ``path``: the steps'
+    wall time, the CUDA kernels by their time and the host-side ops by their own CPU time (a host sync
+    shows as a long ``cudaStreamSynchronize`` / ``aten::_local_scalar_dense``); for prefill also the
+    trace, gzipped, beside it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
 
     cuda = torch.cuda.is_available()
-    def params():  # a fresh one per use: LLM.generate makes the params it gets final-output-only
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-
-    llm.generate(batch, params(), use_tqdm=False)  # warm-up of these shapes
     engine = llm.llm_engine
-    for i, prompt in enumerate(batch):
-        engine.add_request(f"profile-{path.stem}-{i}", prompt, params())
+    if max_tokens > 1:  # decode: the prefill steps run outside the profile
+        start_decoding(llm, batch, max_tokens, f"profile-{path.stem}")
+    else:
+        add_warm(llm, batch, max_tokens, f"profile-{path.stem}")
     steps = 0
-    if max_tokens > 1:  # decode: run the prefill steps outside the profile
-        produced = set()
-        while len(produced) < len(batch):
-            produced.update(out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-    table = prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total", row_limit=45)
-    path.write_text(f"{len(batch)} requests, {steps} engine steps profiled\n{table}")
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cuda_time_total", row_limit=45)] if cuda else []
+    tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    path.write_text(f"{len(batch)} requests, {steps} engine steps profiled, {wall * 1e3:.1f} ms wall clock "
+                    f"(under the profiler)\n" + "\n".join(tables))
+    if max_tokens == 1:
+        trace = path.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
     print(f"profile -> {path} ({steps} steps)", flush=True)
     return path
 
