@@ -143,19 +143,20 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     """What dominates a step: the engine steps after every request of ``batch`` has its first token
     (decode), or all its steps (prefill, ``max_tokens=1``), profiled; written to ``path``: the steps'
     wall time, the CUDA kernels by their time and the host-side ops by their own CPU time (a host sync
-    shows as a long ``cudaStreamSynchronize`` / ``aten::_local_scalar_dense``); for prefill also the
-    trace, gzipped, beside it."""
+    shows as a long ``cudaStreamSynchronize`` / ``aten::_local_scalar_dense``). Prefill also records
+    Python frames (in that table, and in its trace, gzipped beside it: each copy or sync nested in the
+    frames that made it)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
-    engine = llm.llm_engine
-    if max_tokens > 1:  # decode: the prefill steps run outside the profile
-        start_decoding(llm, batch, max_tokens, f"profile-{path.stem}")
-    else:
+    cuda, prefill, engine = torch.cuda.is_available(), max_tokens == 1, llm.llm_engine
+    if prefill:
         add_warm(llm, batch, max_tokens, f"profile-{path.stem}")
+    else:  # decode: the prefill steps run outside the profile
+        start_decoding(llm, batch, max_tokens, f"profile-{path.stem}")
     steps = 0
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 with_stack=prefill) as prof:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -166,7 +167,7 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=30))
     path.write_text(f"{len(batch)} requests, {steps} engine steps profiled, {wall * 1e3:.1f} ms wall clock "
                     f"(under the profiler)\n" + "\n".join(tables))
-    if max_tokens == 1:
+    if prefill:
         trace = path.with_suffix(".trace.json")
         prof.export_chrome_trace(str(trace))
         with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:

@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
-#   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint
+#   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
+#                                      # then scripts/trace_waits.py on its prefill trace
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
@@ -66,7 +67,9 @@ case "${1:-unit}" in
     engine=${1#bench-}
     flash_checkpoint
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile \
-      > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log" ;;
+      > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
+    # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
+    python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40 ;;
   bench-marlin | bench-fused | bench-einsum)  # our engine with an opt-in kernel
     flash_checkpoint
     case $1 in

@@ -33,6 +33,7 @@ class CacheStepMetadata:
     block_table: torch.Tensor
     token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
     decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
+    max_seq_len: int  # the longest request's tokens up to this step's last (host): widths without a device read
     # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
     # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
     # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
@@ -66,6 +67,7 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
             block_table=cm.block_table_tensor[:num_reqs],
             token_to_req=self._token_to_req[:num_tokens],
             decode_only=cm.max_query_len == 1,
+            max_seq_len=cm.max_seq_len,
         )
 
 

@@ -200,7 +200,8 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
 
 def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredSpans:
     """Per request, the span from the lowest to the highest entry its queries name, laid out from row
-    ``offset`` of the buffer in request order; reads the spans on the host (one small copy)."""
+    ``offset`` of the buffer in request order. Worked out on the device; the host reads one number,
+    the spans' total length (the buffer's size)."""
     valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
     none = torch.iinfo(torch.int64).max
     named = entries.long()
@@ -211,14 +212,15 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredS
     r = req.clamp(min=0).long()  # a padding row (req -1) names nothing, so request 0 takes no harm
     lo = torch.full((num_req,), none, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_lo, "amin")
     hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_hi, "amax")
-    lo_host, hi_host = torch.stack([lo, hi]).cpu()  # one device-to-host copy
-    counts = (hi_host - lo_host + 1).clamp(min=0)  # [R]; 0 for requests no slot names
-    start = offset + counts.cumsum(0) - counts  # [R] where each request's span begins in kv
-    span_req = torch.repeat_interleave(torch.arange(num_req), counts)  # [S_i]
-    span_entry = lo_host[span_req] + torch.arange(span_req.numel()) - (start - offset)[span_req]
-    base = (start.to(req.device) - lo.clamp(max=1 << 62))[r][:, None]  # [T, 1] kv row of entry 0's place
-    return GatheredSpans(span_req.to(req.device), span_entry.to(req.device), torch.where(valid, base + entries, -1),
-                         int(counts.sum()))
+    counts = (hi - lo + 1).clamp(min=0)  # [R]; 0 for requests no slot names
+    ends = counts.cumsum(0)
+    total = int(ends[-1]) if num_req else 0  # the one host read
+    start = ends - counts  # [R] where each request's span begins, from the source's first row
+    # host-built index tensors would each cost a synchronising pageable copy to the device
+    span_req = torch.repeat_interleave(torch.arange(num_req, device=req.device), counts, output_size=total)  # [S_i]
+    span_entry = lo[span_req] + torch.arange(total, device=req.device) - start[span_req]
+    base = (offset + start - lo.clamp(max=1 << 62))[r][:, None]  # [T, 1] kv row of entry 0's place
+    return GatheredSpans(span_req, span_entry, torch.where(valid, base + entries, -1), total)
 
 
 def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,

@@ -56,11 +56,12 @@ class Compressor(nn.Module):
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
         if decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
             pos, r, out_req = positions, req, torch.where(closing, req, -1)
-        elif bool(closing.any()):
-            pos, r = positions[closing], req[closing]  # [N]
+        else:  # one host read: which tokens close a window
+            closers = closing.nonzero().squeeze(1)
+            if not closers.numel():
+                return None
+            pos, r = positions[closers], req[closers]  # [N]
             out_req = r
-        else:
-            return None
         window = pos[:, None] + self.window_offsets  # [N, S]
         return ClosedWindows(read_req=r.clamp(min=0)[:, None], read_entry=window.clamp(min=0), valid=window >= 0,
                              rope_positions=pos - self.ratio + 1, out_req=out_req,
@@ -70,11 +71,12 @@ class Compressor(nn.Module):
 def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -> tuple[torch.Tensor, int]:
     """``(num_visible [T], width)``: the compressed entries of ``ratio`` each query sees, (p + 1) // ratio,
     and how many a step scores or attends: ``max_entries`` in decode steps (fixed shapes, what a CUDA
-    graph replays), else the step's largest count. Once per step: every layer's are the same."""
+    graph replays), else the step's largest count, from the longest request's length on the host (a
+    query at p sees (p + 1) // ratio). Once per step: every layer's are the same."""
 
     def count():
         num_visible = torch.div(positions + 1, ratio, rounding_mode="floor")
-        return num_visible, max_entries if md.decode_only else max(int(num_visible.max()), 1)
+        return num_visible, max_entries if md.decode_only else max(md.max_seq_len // ratio, 1)
 
     return md.once(("visible entries", ratio), count)
 
