@@ -69,8 +69,10 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
 
 def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Tensor, req: Tensor,
                        num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int) -> Tensor:
-    """:func:`indexer_topk` of a batch of decode queries, each against its own request's keys in a
-    paged cache component (the Triton kernel reads them in place; here they are gathered).
+    """:func:`indexer_topk` of a batch of queries, each against its own request's keys in a paged cache
+    component (the Triton kernel reads them in place; here each request's are gathered once, for all
+    its rows: a prefill chunk's queries share them, and a gather per row would hold [B, N, di] keys,
+    gigabytes for one long prompt).
 
     Args:
         q: ``[B, H, di]`` indexer queries (RoPE applied); weights ``[B, H]`` scaled head weights.
@@ -87,8 +89,10 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
     Returns:
         ``[B, topk]`` int64 as :func:`indexer_topk`, every slot of a padding row -1.
     """
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)  # padding rows stay -1
     entry = torch.arange(max_entries, device=q.device)  # [N]
-    # padding rows read request 0's keys (any valid row would do): their picks are dropped below
-    keys = read_entries(view, block_table, req.clamp(min=0)[:, None], entry, entries_per_block, fp8, q.dtype)
-    sel = indexer_topk(q, weights, keys, num_visible, topk)  # [B, topk]
-    return sel.masked_fill((req < 0)[:, None], -1)
+    for r in req[req >= 0].unique():
+        rows = (req == r).nonzero().squeeze(1)
+        keys = read_entries(view, block_table, r, entry, entries_per_block, fp8, q.dtype)  # [N, di]
+        out[rows] = indexer_topk(q[rows], weights[rows], keys, num_visible[rows], topk)
+    return out

@@ -436,3 +436,20 @@ def test_indexer_topk_per_query_keys_equal_one_call_per_query():
     for t in range(6):
         alone = indexer_topk(q[t : t + 1], weights[t : t + 1], keys[t], nv[t : t + 1], 5)
         assert _index_sets(batched[t : t + 1]) == _index_sets(alone)
+
+
+def test_indexer_topk_paged_reads_each_requests_keys_once(monkeypatch):
+    """The CPU path gathers a request's keys once for all its rows, [N, di], not once per row: a
+    prefill chunk of T queries would hold [T, N, di] (gigabytes for one long prompt). Rows: a padding
+    row, 20 queries of request 1, 3 of request 0."""
+    from tests.csrc_triton.kernel_cases import indexer_paged_args
+    from vllm_dsv4.kv.layout import Fp8Entry
+
+    num_visible = [0] + [min(40, (p + 1) // 4) for p in range(0, 140, 7)] + [40, 33, 12]
+    args = indexer_paged_args(num_visible, [-1] + [1] * 20 + [0] * 3, 2, 40, 16, 32, 6, 8, Fp8Entry(32, None),
+                              device="cpu")
+    read, reads = indexer_ref.read_entries, []
+    monkeypatch.setattr(indexer_ref, "read_entries", lambda *a: reads.append(read(*a)) or reads[-1])
+    picks = indexer_ref.indexer_topk_paged(*args)
+    assert [tuple(r.shape) for r in reads] == [(40, 32), (40, 32)]
+    assert (picks[0] == -1).all() and (picks[1:] >= 0).any()
