@@ -94,7 +94,8 @@ class Linear(nn.Module):
         """The block-diagonal FP8 linear over activations already quantised per group as
         ``ops.rope_quant_fp8`` returns them (q [T, G, in] e4m3, scale [T, G, in/128]) -> [T, G * out/G]."""
         if self.grouped_gemm is None:
-            raise RuntimeError("grouped_quantised() needs a weight bound to a grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum, or auto with DeepGEMM)")
+            raise RuntimeError("grouped_quantised() needs a weight bound to a grouped GEMM "
+                               "(VLLM_DSV4_OUT_PROJ=einsum, or auto with DeepGEMM)")
         return self.grouped_gemm(q, scale)
 
     def _bound(self) -> tuple:
