@@ -53,20 +53,23 @@ def _tail_trig(cos_ptr, sin_ptr, m, m_ok, d, nope, half_r, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _derotated_fp8_block(o_ptr, m, m_ok, head, ch0, d, s_ot, s_oh, s_od, cos_tail, sin_tail,
-                         ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                         ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ROTATE: tl.constexpr = True):
     """Channels ``ch0 .. ch0 + BK`` of ``head`` for tokens ``m``, de-rotated, rounded as the unfused
     path stores them and quantised as the reference does: (values [BM, BK] on the e4m3 grid's scale,
-    not yet cast; per-token scales [BM])."""
+    not yet cast; per-token scales [BM]). ``ROTATE=False``: a block known to lie before the rope tail,
+    loaded as it is (the rotation by 1 / 0 and the bf16 rounding would leave it unchanged)."""
     ch = ch0 + tl.arange(0, BLOCK_K)
     x = tl.load(o_ptr + m[:, None].to(tl.int64) * s_ot + head * s_oh + ch[None, :] * s_od,
                 mask=m_ok[:, None], other=0.0).to(tl.float32)  # [BM, BK]
-    in_tail = ch0 == d - BLOCK_K
-    cos = tl.where(in_tail, cos_tail, 1.0)
-    sin = tl.where(in_tail, sin_tail, 0.0)
-    x0, x1 = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))  # interleaved pairs (2i, 2i+1)
-    x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
-    if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
-        x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    if ROTATE:
+        in_tail = ch0 == d - BLOCK_K
+        cos = tl.where(in_tail, cos_tail, 1.0)
+        sin = tl.where(in_tail, sin_tail, 0.0)
+        x0, x1 = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))  # interleaved pairs (2i, 2i+1)
+        x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
+        if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
+            x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
     # the reference's scale exactly, and an IEEE division: the default fp32 '/' is approximate and
     # would move values across e4m3 rounding boundaries the reference does not cross
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * INV_FP8_MAX  # [BM] per-token group scale
@@ -107,27 +110,41 @@ def _rope_out_proj_kernel(
 
 
 @triton.jit
+def _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k, T_scales, s_qg, s_qt, s_sg, s_st, s_sk,
+                     HW_CAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One quantised [BM, BK] block at channel ``k`` of group ``g``'s row: e4m3 codes and the per-token
+    scales (the scales' padding rows get 0: what the GEMM reads there multiplies nothing it stores)."""
+    if HW_CAST:  # round to nearest even with saturation: torch's cast of the clamped values
+        codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:  # the interpreter's cast rounds wrongly: e4m3 by hand
+        codes = _e4m3_encode(v).to(tl.uint8)
+    tl.store(q_ptr + g * s_qg + m[:, None].to(tl.int64) * s_qt + (k + tl.arange(0, BLOCK_K))[None, :], codes,
+             mask=m_ok[:, None])
+    tl.store(qs_ptr + g * s_sg + m * s_st + (k // BLOCK_K) * s_sk, tl.where(m_ok, scale, 0.0), mask=m < T_scales)
+
+
+@triton.jit
 def _rope_quant_kernel(
     o_ptr, cos_ptr, sin_ptr, q_ptr, qs_ptr,
     T, T_scales, heads_per_group, d, nope, half_r,
     s_ot, s_oh, s_od, s_qg, s_qt, s_sg, s_st, s_sk,
-    ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] tokens (up to the scales' padded rows)
     head = tl.program_id(1)
     g = head // heads_per_group
     m_ok = m < T
-    c = tl.arange(0, BLOCK_K)
     cos_tail, sin_tail = _tail_trig(cos_ptr, sin_ptr, m, m_ok, d, nope, half_r, BLOCK_K)
-    for ch0 in range(0, d, BLOCK_K):
+    k_head = (head % heads_per_group) * d  # the head's first channel within the group's row
+    for ch0 in range(0, d - BLOCK_K, BLOCK_K):  # the blocks before the rope tail, as they are
         v, scale = _derotated_fp8_block(o_ptr, m, m_ok, head, ch0, d, s_ot, s_oh, s_od, cos_tail, sin_tail,
-                                        ROUND_BF16, BLOCK_M, BLOCK_K)
-        k = (head % heads_per_group) * d + ch0  # channel within the group's row
-        # e4m3 by hand (torch's round-to-nearest-even cast; the interpreter's cast rounds wrongly)
-        tl.store(q_ptr + g * s_qg + m[:, None].to(tl.int64) * s_qt + (k + c)[None, :], _e4m3_encode(v).to(tl.uint8),
-                 mask=m_ok[:, None])
-        # the scales' padding rows get 0 (what the GEMM reads there multiplies nothing it stores)
-        tl.store(qs_ptr + g * s_sg + m * s_st + (k // BLOCK_K) * s_sk, tl.where(m_ok, scale, 0.0), mask=m < T_scales)
+                                        ROUND_BF16, BLOCK_M, BLOCK_K, ROTATE=False)
+        _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k_head + ch0, T_scales, s_qg, s_qt, s_sg, s_st, s_sk,
+                         HW_CAST, BLOCK_K)
+    v, scale = _derotated_fp8_block(o_ptr, m, m_ok, head, d - BLOCK_K, d, s_ot, s_oh, s_od, cos_tail, sin_tail,
+                                    ROUND_BF16, BLOCK_M, BLOCK_K)
+    _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k_head + d - BLOCK_K, T_scales, s_qg, s_qt, s_sg, s_st,
+                     s_sk, HW_CAST, BLOCK_K)
 
 
 def _tail_cos_sin(positions: Tensor, inv_freq: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -200,7 +217,7 @@ def rope_quant_fp8(o: Tensor, positions: Tensor, inv_freq: Tensor, groups: int) 
             o, *_tail_cos_sin(positions, inv_freq, o.device), q, scale,
             T, T_scales, H // groups, d, d - 2 * half_r, half_r,
             *o.stride(), *q.stride()[:2], *scale.stride(),
-            ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
+            ROUND_BF16=o.dtype == torch.bfloat16, HW_CAST=not _INTERPRETED, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
             enable_fp_fusion=False,  # the rotation rounds each product as the reference does
         )
     return q.view(torch.float8_e4m3fn).transpose(0, 1), scale[:, :T].transpose(0, 1)
