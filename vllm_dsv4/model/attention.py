@@ -20,8 +20,11 @@ from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.model.parallel import Shard
 
-# Queries attended per call: bounds the [t, W + K] slot lists (and the CPU path's gathered keys).
-QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "2048"))
+# Queries attended per call: bounds the [t, W + K] slot lists and, on the reference path, the gathered
+# [t, W + K, d] keys (2.7 GB in fp32 at 2,048 V4 queries). The kernels read keys in place, so there a
+# call takes a whole 8k-token step: each call costs host reads (the spans' sizes) and launches, and
+# each chunk re-decodes the entries its requests' earlier chunks already decoded.
+QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "8192" if ops.USE_KERNELS else "2048"))
 
 
 def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
