@@ -19,6 +19,7 @@ from pathlib import Path
 SYNCS = r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize"
 OUR_CODE = ("vllm_dsv4/", "csrc_triton/")
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_API = ("cuda_runtime", "cuda_driver")
 
 
 def load(path: Path) -> list[dict]:
@@ -68,8 +69,8 @@ def report(events: list[dict], match: str = SYNCS, num_gaps: int = 10) -> str:
     if span:
         lines.append(f"GPU: {busy / 1e3:.1f} ms busy over {span / 1e3:.1f} ms, {(span - busy) / 1e3:.1f} ms idle "
                      f"in {len(gaps)} gaps")
-        launches = {e["args"].get("correlation"): e for e in events
-                    if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+        launches = {e["args"].get("correlation"): e for e in events  # Triton launches through the driver API
+                    if e.get("cat") in HOST_API and "correlation" in e.get("args", {})}
         for gap, e in gaps[:num_gaps]:
             launch = launches.get(e.get("args", {}).get("correlation"))
             where = frames.at(launch["tid"], launch["ts"]) if launch else "(launch not in the trace)"
@@ -77,7 +78,7 @@ def report(events: list[dict], match: str = SYNCS, num_gaps: int = 10) -> str:
     pattern = re.compile(match)
     calls: dict[tuple[str, str], list[float]] = defaultdict(list)
     for e in events:
-        if e.get("cat") in ("cuda_runtime", "cpu_op") and pattern.search(e["name"]):
+        if e.get("cat") in HOST_API + ("cpu_op",) and pattern.search(e["name"]):
             calls[(e["name"], frames.at(e["tid"], e["ts"]))].append(e.get("dur", 0))
     lines.append(f"host calls matching {match!r}: {sum(len(v) for v in calls.values())}")
     for (name, where), durs in sorted(calls.items(), key=lambda kv: -sum(kv[1])):

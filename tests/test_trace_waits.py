@@ -16,7 +16,7 @@ def test_idle_gaps_and_syncs_are_attributed_to_the_innermost_frame_of_our_code()
         frame("torch/_tensor.py(1): item", 1400, 200),  # not ours: the frame above it is named
         {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1500, "dur": 80, "tid": 1, "args": {}},
         {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 4500, "dur": 20, "tid": 1, "args": {}},
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2500, "dur": 5, "tid": 1,
+        {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 2500, "dur": 5, "tid": 1,  # as Triton launches
          "args": {"correlation": 7}},
         {"cat": "kernel", "name": "first", "ts": 0, "dur": 1000, "tid": 9, "args": {"correlation": 6}},
         {"cat": "kernel", "name": "overlapping", "ts": 500, "dur": 700, "tid": 9, "args": {}},
