@@ -59,7 +59,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -301,14 +301,22 @@ def triton_block_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor) -> B
 
 
 @functools.cache
-def has_grouped_fp8_gemm() -> bool:
-    """Whether ledger 9 binds here: vLLM ships ``vllm.utils.deep_gemm`` with ``fp8_einsum`` and DeepGEMM
-    runs on this GPU."""
+def _deep_gemm_for_grouped_gemm() -> tuple[ModuleType | None, str | None]:
+    """Ledger 9's module, vLLM's ``vllm.utils.deep_gemm``, and None; or None and why it cannot bind here."""
     try:
         from vllm.utils import deep_gemm
     except ImportError:
-        return False
-    return hasattr(deep_gemm, "fp8_einsum") and deep_gemm.is_deep_gemm_supported()
+        return None, f"vLLM {vllm_version()} has no vllm.utils.deep_gemm"
+    if not hasattr(deep_gemm, "fp8_einsum"):
+        return None, f"vLLM {vllm_version()}'s vllm.utils.deep_gemm has no fp8_einsum"
+    if not deep_gemm.is_deep_gemm_supported():
+        return None, "DeepGEMM does not run here (a vLLM build with it, on Hopper or Blackwell)"
+    return deep_gemm, None
+
+
+def has_grouped_fp8_gemm() -> bool:
+    """Whether ledger 9 binds here."""
+    return _deep_gemm_for_grouped_gemm()[0] is not None
 
 
 def grouped_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, groups: int):
@@ -317,12 +325,9 @@ def grouped_fp8_gemm(weight: torch.Tensor, weight_scale: torch.Tensor, groups: i
     scale [T, G, K/128] float32) -> [T, G*R]`` bf16, activations laid out as ``csrc_triton.out_proj.
     rope_quant_fp8`` writes them. The weight's scales are re-laid out once, here, into a copy (the
     fused kernel keeps reading ``weight_scale``)."""
-    try:
-        from vllm.utils import deep_gemm
-    except ImportError as e:
-        raise ImportError(f"VLLM_DSV4_OUT_PROJ=einsum needs vllm.utils.deep_gemm; vLLM {vllm_version()} lacks it") from e
-    if not deep_gemm.is_deep_gemm_supported():
-        raise RuntimeError("VLLM_DSV4_OUT_PROJ=einsum needs DeepGEMM (a vLLM build with it, on Hopper or Blackwell)")
+    deep_gemm, why_not = _deep_gemm_for_grouped_gemm()
+    if deep_gemm is None:
+        raise RuntimeError(f"VLLM_DSV4_OUT_PROJ=einsum needs DeepGEMM's grouped FP8 GEMM: {why_not}")
     N, K = weight.shape
     R = N // groups
     w = weight.view(groups, R, K)
