@@ -15,9 +15,8 @@
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
 #                                      # then scripts/trace_waits.py on its prefill trace
-#   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
+#   scripts/gpu_check.sh bench-triton-moe  # our engine with our Triton MXFP4 MoE (VLLM_DSV4_MOE=triton; default Marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
-#   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
 #   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
@@ -71,12 +70,11 @@ case "${1:-unit}" in
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40 ;;
-  bench-marlin | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting
+  bench-triton-moe | bench-fused | bench-chunk2048)  # our engine with another setting
     flash_checkpoint
     case $1 in
-      bench-marlin) export VLLM_DSV4_MOE=marlin ;;
+      bench-triton-moe) export VLLM_DSV4_MOE=triton ;;
       bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;;
-      bench-einsum) export VLLM_DSV4_OUT_PROJ=einsum ;;
       bench-chunk2048) export VLLM_DSV4_ATTN_QUERY_CHUNK=2048 ;;
     esac
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" \
