@@ -56,29 +56,51 @@ def assert_replay_matches_eager(fn, inputs_for, seeds=(1, 2)) -> None:
         assert torch.equal(captured, eager), (seed, (captured.double() - eager.double()).abs().max().item())
 
 
-@pytest.fixture(scope="module")
-def experts():
-    """V4-Flash's routed experts (256 of D=4096, I=2048), top-6."""
-    *_, w13, s13, w2, s2, limit = kc.moe_mxfp4_args(1, 4096, 2048, 256, 6, BF16, device="cuda")
-    return w13, s13, w2, s2, limit
+# routed-expert shapes (D, I, E, top-k): V4-Flash's, where 16 tokens spread thin over the experts, and
+# the ktiny e2e checkpoint's, where each expert gets several tokens of a decode step
+EXPERT_SHAPES = {"flash": (4096, 2048, 256, 6), "ktiny": (256, 128, 16, 4)}
 
 
-def _routed(seed: int) -> tuple:
-    x, weights, ids, *_ = kc.moe_mxfp4_args(16, 4096, 2048, 256, 6, BF16, seed=seed, device="cuda")
-    return x, weights, ids
+@pytest.fixture(scope="module", params=list(EXPERT_SHAPES))
+def experts(request):
+    """(weights, inputs_for(seed)) of one expert shape; every slot routed to a local expert (one rank)."""
+    D, I, E, k = EXPERT_SHAPES[request.param]
+    *_, w13, s13, w2, s2, limit = kc.moe_mxfp4_args(1, D, I, E, k, BF16, device="cuda")
+
+    def routed(seed: int) -> tuple:
+        x, weights, ids, *_ = kc.moe_mxfp4_args(16, D, I, E, k, BF16, p_skip=0.0, seed=seed, device="cuda")
+        return x, weights, ids
+
+    return (w13, s13, w2, s2, limit), routed
 
 
 def test_triton_moe_replays_as_eager(experts):
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
 
-    assert_replay_matches_eager(lambda x, w, ids: moe_experts_mxfp4(x, w, ids, *experts), _routed)
+    weights, routed = experts
+    assert_replay_matches_eager(lambda x, w, ids: moe_experts_mxfp4(x, w, ids, *weights), routed)
 
 
 def test_marlin_moe_replays_as_eager(experts):
     from vllm_dsv4 import compat
 
-    marlin = compat.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in experts])
-    assert_replay_matches_eager(marlin, _routed)
+    weights, routed = experts
+    marlin = compat.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in weights])
+    assert_replay_matches_eager(marlin, routed, seeds=(1, 2, 3, 4))
+
+
+def test_einsum_out_proj_replays_as_eager():
+    """wo_a's einsum route (VLLM_DSV4_OUT_PROJ=auto with DeepGEMM): our quantiser, then the grouped GEMM."""
+    from csrc_triton.out_proj import rope_quant_fp8
+    from vllm_dsv4 import compat
+
+    if not compat.has_grouped_fp8_gemm():
+        pytest.skip("no DeepGEMM grouped FP8 GEMM in this vLLM build or on this device")
+    *_, inv_freq, weight, weight_scale, groups = kc.out_proj_args(16, 64, 512, 64, 8, 1024, BF16, device="cuda")
+    gemm = compat.grouped_fp8_gemm(weight, weight_scale, groups)
+    assert_replay_matches_eager(
+        lambda o, positions: gemm(*rope_quant_fp8(o, positions, inv_freq, groups)),
+        lambda seed: kc.out_proj_args(16, 64, 512, 64, 8, 1024, BF16, seed=seed, device="cuda")[:2])
 
 
 def test_fused_out_proj_replays_as_eager():
