@@ -9,14 +9,16 @@
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
-#   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager (two engine runs)
+#   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager, and eager vs
+#                                      # eager (three engine runs)
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
 #                                      # then scripts/trace_waits.py on its prefill trace
-#   scripts/gpu_check.sh bench-triton-moe  # our engine with our Triton MXFP4 MoE (VLLM_DSV4_MOE=triton; default Marlin)
+#   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
+#   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
 #   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
@@ -29,7 +31,7 @@ mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
-summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|eager vs eager|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1
@@ -57,7 +59,7 @@ case "${1:-unit}" in
       > "$LOG_DIR/graph_ops.log" 2>&1; summary "$LOG_DIR/graph_ops.log" ;;
   graphs)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
-      -k cuda_graph > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
+      -k "cuda_graph or reproducible" > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
@@ -70,11 +72,12 @@ case "${1:-unit}" in
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40 ;;
-  bench-triton-moe | bench-fused | bench-chunk2048)  # our engine with another setting
+  bench-marlin | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting
     flash_checkpoint
     case $1 in
-      bench-triton-moe) export VLLM_DSV4_MOE=triton ;;
+      bench-marlin) export VLLM_DSV4_MOE=marlin ;;
       bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;;
+      bench-einsum) export VLLM_DSV4_OUT_PROJ=einsum ;;
       bench-chunk2048) export VLLM_DSV4_ATTN_QUERY_CHUNK=2048 ;;
     esac
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" \

@@ -34,19 +34,20 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    CUDA kernel) | ``block_fp8_gemm()``, falling back to ``per_token_group_quant_fp8`` +
    ``w8a8_triton_block_scaled_mm`` (``fp8_utils``) when vLLM offers no block kernel for the shape
    or the selection API moves | delete the fallback when both versions select the same way.
-7. Marlin MXFP4 fused MoE (GPU path, ``VLLM_DSV4_MOE=auto`` where it binds, or ``marlin``) |
-   ``fused_moe.experts.marlin_moe.fused_marlin_moe`` (what vLLM 0.26's in-tree DeepSeek-V4 runs on
-   Hopper, with SILU + clamp) over weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin``
-   | not on CPU | ``has_marlin_moe()`` says whether it binds, ``marlin_mxfp4_experts()`` binds it; our
-   Triton MoE (csrc_triton/moe_mxfp4.py) otherwise | delete the check when both versions ship it.
+7. Marlin MXFP4 fused MoE (GPU path, opt-in ``VLLM_DSV4_MOE=marlin``) | ``fused_moe.experts.marlin_moe``
+   ``fused_marlin_moe`` (what vLLM 0.26's in-tree DeepSeek-V4 runs on Hopper, with SILU + clamp) over
+   weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin`` | not on CPU |
+   ``marlin_mxfp4_experts()``; our Triton MoE (csrc_triton/moe_mxfp4.py) otherwise | make it the
+   default once tests/e2e/test_gpu_path.py's CUDA-graph comparison passes with it (it did not on
+   2026-12-04c, while tests/model/test_graph_replay.py's Marlin cases replay bit for bit).
 8. FlashMLA sparse FP8 attention (GPU path) | ``vllm.v1.attention.ops.flashmla``:
    ``flash_mla_with_kvcache`` (sparse mode: ``indices`` + ``extra_k_cache``, ``attn_sink``,
    ``topk_length``) and ``FlashMLASchedMeta`` for decode, ``flash_mla_sparse_fwd`` (bf16 keys, indices,
    ``attn_sink``) for prefill, present when ``is_flashmla_sparse_supported()``
    (Hopper and Blackwell builds) | not on CPU | ``flashmla_sparse()`` returns them or None; our
    Triton attention runs otherwise | delete when both versions ship the same module.
-9. DeepGEMM's grouped FP8 GEMM (GPU path: ``wo_a`` under ``VLLM_DSV4_OUT_PROJ=auto`` where it binds,
-   or ``einsum``) | ``vllm.utils.deep_gemm``: ``fp8_einsum("bhr,hdr->bhd", ...)`` and
+9. DeepGEMM's grouped FP8 GEMM (GPU path: ``wo_a`` above 1,024 tokens under ``VLLM_DSV4_OUT_PROJ=auto``,
+   every size with ``einsum``) | ``vllm.utils.deep_gemm``: ``fp8_einsum("bhr,hdr->bhd", ...)`` and
    ``transform_sf_into_required_layout`` (what vLLM 0.26's in-tree DeepSeek-V4 runs ``wo_a`` on) | not
    on CPU | ``has_grouped_fp8_gemm()`` says whether it binds; ``grouped_fp8_gemm()`` raises an error
    naming the missing piece otherwise | delete the check when both versions ship it.
@@ -362,19 +363,6 @@ def flashmla_sparse() -> SimpleNamespace | None:
 
 def _warn_once(message: str) -> None:
     logger.warning("vllm-dsv4: %s", message)
-
-
-@functools.cache
-def has_marlin_moe() -> bool:
-    """Whether ledger 7 binds here: vLLM ships its Marlin MoE and the GPU runs Marlin (sm80 or newer)."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe  # noqa: F401
-        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (  # noqa: F401
-            prepare_moe_mxfp4_layer_for_marlin,
-        )
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

@@ -9,10 +9,9 @@ path. Same names and signatures either way. Ops without a kernel yet use the ref
 caches runs FlashMLA's sparse kernels where they apply (attention/flashmla.py, falling back to ours):
 ``sparse_attn_cached`` for decode steps (graph-capturable), ``sparse_attn_prefill`` (same semantics,
 FlashMLA's prefill kernel, host syncs) for the others;
-``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE`` picks the routed experts'
-kernel (``auto``: vLLM's Marlin MoE where it binds, ``binds_marlin_moe``); ``VLLM_DSV4_OUT_PROJ``
-picks ``wo_a``'s path (``auto``: ``rope_quant_fp8`` then DeepGEMM's grouped GEMM,
-``grouped_fp8_gemm(weight, scale, groups)``, where it binds, else by step size).
+``VLLM_DSV4_ATTN=triton`` keeps our kernel everywhere. ``VLLM_DSV4_MOE=marlin`` opts into vLLM's
+Marlin MoE; ``VLLM_DSV4_OUT_PROJ`` picks ``wo_a``'s path (``auto``: by step size; ``einsum``:
+``rope_quant_fp8`` then DeepGEMM's grouped GEMM, ``grouped_fp8_gemm(weight, scale, groups)``).
 """
 
 import os
@@ -25,18 +24,18 @@ from csrc_triton.routing_ref import moe_experts
 
 ON_CUDA = torch.cuda.is_available()
 USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
-# Packed MXFP4 experts: vLLM's Marlin MoE (compat.py ledger 7; what the in-tree model runs on Hopper)
-# where it binds under "auto", else our Triton MoE. On the H200 at V4-Flash's shape Marlin takes 277 vs
-# 985 us at 1 token, 1,041 vs 2,498 at 64 and 10,954 vs 14,368 at 8,192 (docs/bench, 2026-12-03b).
-MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "auto") if USE_KERNELS else "reference"
-if MOE_BACKEND not in ("auto", "triton", "marlin", "reference"):
-    raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'auto', 'triton' or 'marlin'")
-# wo_a with FP8 weights under "auto": our de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM
-# ships it (H200, 2026-12-04b: 16 decode steps at batch 16 spend 1.7 ms in it against 6.8 in the fused
-# kernel; prefill 39,875 -> 50,712 tok/s at 8k); elsewhere our fused kernel (csrc_triton/out_proj.py) up
-# to OUT_PROJ_FUSED_MAX_TOKENS tokens and the rope kernel then vLLM's block-FP8 GEMM per head group above
-# (116 vs 851 us at 1 token, 890 vs 1,201 at 1,024, but 6,991 vs 2,109 at 8,192; docs/bench, 2026-12-03).
-# "fused", "grouped" and "einsum" take one path at every size.
+# Packed MXFP4 experts: our Triton MoE, or vLLM's Marlin MoE (compat.py ledger 7; 2.4-3.6x faster at decode
+# sizes on the H200, but opt-in: with it, CUDA-graph decode parts from eager in the e2e comparison although
+# the op alone replays bit for bit; docs/bench, 2026-12-04c).
+MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
+if MOE_BACKEND not in ("triton", "marlin", "reference"):
+    raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
+# wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py) up to OUT_PROJ_FUSED_MAX_TOKENS
+# tokens under "auto" (on the H200 at V4-Flash's shape: 116 vs 851 us at 1 token, 890 vs 1,201 at 1,024
+# against per-group GEMMs, but 6,991 vs 2,109 at 8,192; docs/bench, 2026-12-03); above it our
+# de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM ships it (H200, 2026-12-04: prefill
+# 39,875 -> 50,712 tok/s at 8k, 34,032 -> 48,754 at 32k), else the rope kernel then vLLM's block-FP8
+# GEMM per head group. "fused", "grouped" and "einsum" take one path at every size.
 OUT_PROJ = os.environ.get("VLLM_DSV4_OUT_PROJ", "auto") if USE_KERNELS else "reference"
 if OUT_PROJ not in ("auto", "grouped", "fused", "einsum", "reference"):
     raise ValueError(f"VLLM_DSV4_OUT_PROJ={OUT_PROJ!r}: use 'auto', 'grouped', 'fused' or 'einsum'")
@@ -115,13 +114,3 @@ def binds_grouped_gemm(out_proj: str) -> bool:
 
         return has_grouped_fp8_gemm()
     return out_proj == "einsum"
-
-
-def binds_marlin_moe(moe_backend: str) -> bool:
-    """Whether packed MXFP4 experts go to vLLM's Marlin MoE under ``moe_backend``: with ``marlin``, and
-    with ``auto`` where it binds (asked at bind time, in the worker)."""
-    if moe_backend == "auto" and USE_KERNELS:
-        from vllm_dsv4.compat import has_marlin_moe
-
-        return has_marlin_moe()
-    return moe_backend == "marlin"

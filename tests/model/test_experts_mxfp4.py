@@ -103,28 +103,6 @@ def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
     assert not fp8_experts.packed and not hasattr(fp8_experts, "w13_scale")
 
 
-@pytest.mark.parametrize("marlin", [True, False], ids=["with_marlin", "without"])
-def test_auto_moe_binds_marlin_where_it_runs(loaded, monkeypatch, marlin):
-    """``VLLM_DSV4_MOE=auto`` on a GPU: packed experts go to vLLM's Marlin MoE (compat ledger 7) where
-    it binds, releasing the checkpoint-layout bytes; elsewhere they stay with our MXFP4 kernel."""
-    from vllm_dsv4 import compat
-
-    cfg, _, packed, _ = loaded
-    bound = []
-    monkeypatch.setattr(ops, "MOE_BACKEND", "auto")
-    monkeypatch.setattr(ops, "USE_KERNELS", True)
-    monkeypatch.setattr(compat, "has_marlin_moe", lambda: marlin)
-    monkeypatch.setattr(compat, "marlin_mxfp4_experts", lambda *weights: bound.append(weights) or "marlin run")
-    experts = Experts(cfg, Shard(), on_gpu=True).to(DEVICE)
-    for name, p in experts.named_parameters():
-        p.data.copy_(getattr(packed, name).data)
-    experts.finish_loading()
-    assert (experts.marlin == "marlin run") == marlin and len(bound) == int(marlin)
-    if marlin:
-        assert torch.equal(bound[0][0], packed.w13) and bound[0][-1] == cfg.swiglu_limit
-    assert (experts.w13.numel() == 0) == marlin
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's Marlin MoE needs CUDA")
 @pytest.mark.parametrize("T, E", [(1, 256), (16, 256), (300, 256), (64, 128)])

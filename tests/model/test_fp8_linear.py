@@ -193,9 +193,9 @@ def test_rope_out_proj_reference_is_within_the_fp8_bound(tokens):
 
 @pytest.mark.parametrize("deep_gemm", [True, False], ids=["with_deepgemm", "without"])
 def test_auto_out_proj_binds_the_grouped_gemm_where_deepgemm_runs(cpu_ops, monkeypatch, deep_gemm):
-    """``ops.OUT_PROJ == "auto"`` on a GPU: wo_a binds DeepGEMM's grouped GEMM (every step then takes
-    it) where vLLM has it, one GEMM per group otherwise (for steps above ``OUT_PROJ_FUSED_MAX_TOKENS``);
-    ungrouped linears bind one GEMM either way."""
+    """``ops.OUT_PROJ == "auto"`` on a GPU: wo_a binds DeepGEMM's grouped GEMM (for steps above
+    ``OUT_PROJ_FUSED_MAX_TOKENS``) where vLLM has it, one GEMM per group otherwise; ungrouped
+    linears bind one GEMM either way."""
     from vllm_dsv4 import compat, ops
 
     monkeypatch.setattr(ops, "OUT_PROJ", "auto")

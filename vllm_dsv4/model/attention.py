@@ -150,13 +150,13 @@ class Attention(nn.Module):
         return md.once("c128 entries", every_visible)
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: de-rotate and
-        quantise then one grouped GEMM where ``wo_a`` bound one, else all in one kernel or the rope
-        kernel then one GEMM per group (``ops.OUT_PROJ``; ``auto`` picks by step size)."""
-        if self.wo_a.grouped_gemm is not None:
-            return self.wo_a.grouped_quantised(*ops.rope_quant_fp8(o, positions, self.inv_freq, self.groups))
+        """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one
+        kernel, de-rotate and quantise then one grouped GEMM, or the rope kernel then one GEMM per
+        group (``ops.OUT_PROJ``; ``auto`` picks by step size)."""
         fused = ops.OUT_PROJ == "fused" or (ops.OUT_PROJ == "auto" and o.shape[0] <= ops.OUT_PROJ_FUSED_MAX_TOKENS)
         if self.wo_a.weight_scale is not None and fused:
             return ops.rope_out_proj(o, positions, self.inv_freq, self.wo_a.weight, self.wo_a.weight_scale,
                                      self.groups)
+        if self.wo_a.grouped_gemm is not None:
+            return self.wo_a.grouped_quantised(*ops.rope_quant_fp8(o, positions, self.inv_freq, self.groups))
         return grouped_out_proj(o, positions, self.inv_freq, self.wo_a, self.groups)

@@ -74,12 +74,12 @@ class Experts(nn.Module):
         self.first_expert, self.num_local = shard.first_expert(cfg.n_routed_experts), e
         self.holds_all = e == cfg.n_routed_experts  # then the router's ids are local ids already
         self.limit = cfg.swiglu_limit
-        self.marlin = None  # vLLM's Marlin MoE over repacked weights, where ops.binds_marlin_moe
+        self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ops.MOE_BACKEND picks it
 
     def finish_loading(self) -> None:
-        """After loading: hand the packed experts to vLLM's Marlin MoE where ``ops.MOE_BACKEND`` binds it
-        (it repacks them; the checkpoint-layout copies are released)."""
-        if not (self.packed and ops.binds_marlin_moe(ops.MOE_BACKEND)):
+        """After loading: hand the packed experts to vLLM's Marlin MoE if selected (it repacks them;
+        the checkpoint-layout copies are released)."""
+        if not (self.packed and ops.MOE_BACKEND == "marlin"):
             return
         self.marlin = compat.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
                                                   self.w2_scale.data, self.limit)
