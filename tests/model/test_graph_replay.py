@@ -144,3 +144,45 @@ def test_flashmla_layers_sharing_a_plan_replay_as_eager():
 
     assert_replay_matches_eager(two_layers, inputs_for)
 
+
+
+@pytest.mark.parametrize("layer", [0, 2], ids=["hash_routed", "score_routed"])
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
+    """A whole MoE layer of the ktiny e2e checkpoint (router, routed experts on ``backend``, FP8 shared
+    expert), loaded as the model loads it: what tests/e2e/test_gpu_path.py's CUDA-graph comparison runs
+    per layer, without the engine around it."""
+    from tests.loader.test_load import empty_params, stream
+    from vllm_dsv4 import ops
+    from vllm_dsv4.config import Dsv4Config
+    from vllm_dsv4.loader.checkpoint import Checkpoint
+    from vllm_dsv4.loader.load import load_official_weights
+    from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
+    from vllm_dsv4.model.moe import Experts, MoE
+    from vllm_dsv4.model.parallel import Shard
+
+    cfg, ckpt = Dsv4Config.from_pretrained(ktiny_ckpt), Checkpoint(ktiny_ckpt)
+    prefix = f"layers.{layer}.ffn"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(BF16)  # as vLLM builds the model
+    try:
+        moe = MoE(cfg, layer < cfg.num_hash_layers, Shard())
+    finally:
+        torch.set_default_dtype(default)
+    hold_fp8_linears(moe, {n: g for n, g in fp8_linears(cfg, Shard(), on_gpu=True).items() if n.startswith(prefix)},
+                     prefix)
+    params = empty_params(cfg, ckpt) | {f"{prefix}.{name}": p for name, p in moe.named_parameters()}
+    load_official_weights(cfg, stream(ckpt), params)
+    moe.to("cuda")
+    monkeypatch.setattr(ops, "MOE_BACKEND", backend)
+    for module in moe.modules():
+        if isinstance(module, (Linear, Experts)):
+            module.finish_loading()
+    assert (moe.experts.marlin is not None) == (backend == "marlin")
+
+    def inputs_for(seed: int) -> tuple:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, cfg.hidden_size, generator=g).to("cuda", BF16)
+        return x, torch.randint(0, cfg.vocab_size, (16,), generator=g).to("cuda")
+
+    assert_replay_matches_eager(moe, inputs_for, seeds=(1, 2, 3, 4))
