@@ -2,7 +2,8 @@
 
 Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the engine arguments and
 batches of prompts (token ids); each batch is one ``generate`` call, optionally on its prompts
-extended by an earlier batch's outputs (``extend_with_batch``). Every engine gets its own
+extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
+with garbage before the first batch. Every engine gets its own
 process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
@@ -82,6 +83,22 @@ def generate_with_preemptions(llm, prompts, params, steps: set[int]) -> list:
     return [finished[i] for i in range(len(prompts))]
 
 
+def poison_kv_caches(worker) -> int:
+    """Fills every page of the model's caches with finite garbage (bytes 0x5A: 1.5e16 in bf16, 2.4e-14
+    in fp32, 20 as e4m3 values or 1.5e16 as their fp32 scales), as pages left by other requests look to
+    a new one; returns how many cache tensors it filled. Called through ``collective_rpc``."""
+    from vllm_dsv4.model.cache import CacheLayer
+
+    storages = {}
+    for layer in worker.model_runner.get_model().modules():
+        if isinstance(layer, CacheLayer) and layer.kv_cache.numel():
+            storage = layer.kv_cache.untyped_storage()
+            storages[storage.data_ptr()] = storage  # layers of one KV group share a tensor
+    for storage in storages.values():
+        storage.fill_(0x5A)
+    return len(storages)
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -98,6 +115,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = LLM(model=job["model"], skip_tokenizer_init=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **engine_args)
     vocab = llm.llm_engine.model_config.get_vocab_size()
+    poisoned = sum(llm.collective_rpc(poison_kv_caches)) if job.get("poison_kv_cache") else 0
     batches = []
     for batch in job["batches"]:
         # logprobs: True for the whole vocabulary, k for the top k (stored sparse), False for none
@@ -133,7 +151,8 @@ def main(job_path: str, out_path: str) -> None:
                 r["logprobs"] = logprob_rows(o.outputs[0].logprobs, vocab, sparse=top_k is not None)
             results.append(r)
         batches.append(results)
-    torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches)}, out_path)
+    torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches),
+                "poisoned_caches": poisoned}, out_path)
 
 
 if __name__ == "__main__":

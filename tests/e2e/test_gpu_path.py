@@ -88,10 +88,10 @@ def both_paths(tmp_path_factory, ktiny_ckpt, gpu_eager):
 DECODE_JOB = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}]
 
 
-def decode_run(tmp_path_factory, ckpt, name: str, **engine) -> list[dict]:
+def decode_run(tmp_path_factory, ckpt, name: str, poison_kv_cache: bool = False, **engine) -> list[dict]:
     """GRAPH_TOKENS greedy tokens with log-probs for each prompt, bf16, eager unless ``engine`` says."""
     return run_vllm(tmp_path_factory.mktemp(name), ckpt, dict(ENGINE, dtype="bfloat16", **engine), DECODE_JOB, name,
-                    max_tokens=GRAPH_TOKENS)["batches"][0]
+                    max_tokens=GRAPH_TOKENS, poison_kv_cache=poison_kv_cache)["batches"][0]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +119,15 @@ def test_eager_decode_is_reproducible(tmp_path_factory, ktiny_ckpt, decode_eager
     reductions vary between runs fails here, not there)."""
     assert_same_generation(decode_run(tmp_path_factory, ktiny_ckpt, "decode_eager_again"), decode_eager,
                            "eager vs eager")
+
+
+def test_eager_decode_ignores_stale_cache_contents(tmp_path_factory, ktiny_ckpt, decode_eager):
+    """Every cache page filled with garbage first (what pages freed by other requests hold): the same
+    bits, so no kernel of the GPU path reads an FP8 entry, scale or state row before writing it. (Where
+    memory is laid out differently, e.g. with other MoE kernels, a read of unwritten memory would show
+    as graphs and eager parting.)"""
+    assert_same_generation(decode_run(tmp_path_factory, ktiny_ckpt, "decode_poisoned", poison_kv_cache=True),
+                           decode_eager, "stale pages vs fresh")
 
 
 def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, decode_eager):
