@@ -20,11 +20,16 @@ from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.model.parallel import Shard
 
-# Queries attended per call: bounds the [t, W + K] slot lists and, on the reference path, the gathered
-# [t, W + K, d] keys (2.7 GB in fp32 at 2,048 V4 queries). The kernels read keys in place, so there a
-# call takes a whole 8k-token step: each call costs host reads (the spans' sizes) and launches, and
-# each chunk re-decodes the entries its requests' earlier chunks already decoded.
+# Queries attended per call, at most: the kernels read keys in place, so there a call takes a whole
+# 8k-token step (each call costs host reads, the spans' sizes, and launches, and each chunk re-decodes
+# the entries its requests' earlier chunks already decoded); the reference path gathers the keys.
 QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "8192" if ops.USE_KERNELS else "2048"))
+# Bytes a call may hold per query: its [t, W + K] slot lists live through a handful of int64
+# temporaries (flashmla._spans: ~40 bytes per slot at the peak), the reference path's gathered fp32 keys
+# take 4 * d per slot. vLLM's profile run binds no cache, so it never sees them: the bound keeps them
+# small beside the memory vLLM leaves free (at a 1M-token context a C128 query has 8,320 slots, and
+# 8,192 queries' lists would take ~2.7 GB; bounded, ~3,200 queries per call).
+ATTN_CALL_BYTES = int(os.environ.get("VLLM_DSV4_ATTN_CALL_BYTES", str(1 << 30)))
 
 
 def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
@@ -113,41 +118,56 @@ class Attention(nn.Module):
         x, q_latent, q, kv, positions, o = (t[:num_tokens] for t in (x, q_latent, q, kv, positions, o))
         req = md.token_to_req  # [T], -1 for padding
         self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, req, positions)
-        main = None
+        main = picks = None
+        slots = self.window
         if self.ratio:  # every write of this step lands before any read
             self.compressor(x, positions)
-            entries = self._compressed_entries(md, x, q_latent, positions)  # [T, K], -1 where none
             main = self.main_cache.source(self.main_cache.metadata())
+            if self.ratio == 4:
+                picks = self.indexer(x, q_latent, positions)  # [T, topk], -1 where none
+                slots += picks.shape[1]
+            else:
+                slots += visible_entries(md, positions, self.ratio, self.max_c128_entries)[1]
         attend = ops.sparse_attn_cached if md.decode_only else ops.sparse_attn_prefill
-        for start in range(0, num_tokens, QUERY_CHUNK):
-            rows = slice(start, start + QUERY_CHUNK)
+        chunk = self._query_chunk(slots)
+        for start in range(0, num_tokens, chunk):
+            rows = slice(start, start + chunk)
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
-            plans = md.plans.setdefault((start, self.ratio), {})
+            plans = md.plans.setdefault((rows.start, rows.stop, self.ratio), {})
             window = self.swa_cache.source(md, plans)
-            # C128 layers name the same entries (every visible one), so they share what is planned from them.
-            chunk_main = main._replace(plans=plans) if self.ratio == 128 else main
+            chunk_main, entries = main, None
+            if self.ratio == 4:
+                entries = picks[rows]
+            elif self.ratio == 128:
+                # C128 layers name the same entries (every visible one), so they share what is planned from them.
+                chunk_main, entries = main._replace(plans=plans), self._every_visible(md, rows, positions)
             attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                   self._window(md, start, positions[rows]), chunk_main, entries[rows] if self.ratio else None,
-                   out=o[rows])
+                   self._window(md, rows, positions[rows]), chunk_main, entries, out=o[rows])
 
-    def _window(self, md, start, positions):
-        """SWA entries [t, W] of the chunk from ``start``: the last ``window`` token positions up to
-        each query, -1 before position 0 (once per step and chunk: every layer's are the same)."""
-        return md.once(("window entries", start), lambda: (positions[:, None] + self.window_offsets).clamp_(min=-1))
+    def _query_chunk(self, slots: int) -> int:
+        """Queries per call when each attends ``slots`` slots: ``QUERY_CHUNK``, fewer where their
+        temporaries would pass ``ATTN_CALL_BYTES``. Depends on shapes only (a decode step's ``slots``
+        are fixed by max_model_len), so a CUDA graph replays the same calls."""
+        per_slot = 40 if ops.USE_KERNELS else 4 * self.head_dim
+        return max(1, min(QUERY_CHUNK, ATTN_CALL_BYTES // (slots * per_slot)))
 
-    def _compressed_entries(self, md, x, q_latent, positions):
-        """Entry numbers [T, K] each query attends, -1 where none: every visible C128 entry (once per
-        step: every C128 layer's are the same), or the indexer's C4 picks."""
-        if self.ratio == 4:
-            return self.indexer(x, q_latent, positions)  # [T, topk]
+    def _window(self, md, rows: slice, positions):
+        """SWA entries [t, W] of the queries ``rows``: the last ``window`` token positions up to each
+        query, -1 before position 0 (once per step and chunk: every layer's are the same)."""
+        return md.once(("window entries", rows.start, rows.stop),
+                       lambda: (positions[:, None] + self.window_offsets).clamp_(min=-1))
 
-        def every_visible():
+    def _every_visible(self, md, rows: slice, positions):
+        """C128 entry numbers [t, K] the queries ``rows`` attend: every visible one, then -1 (once per
+        step and chunk: every C128 layer's are the same)."""
+
+        def make():
             num_visible, width = visible_entries(md, positions, self.ratio, self.max_c128_entries)
-            entries = torch.arange(width, device=x.device)
-            return torch.where(entries < num_visible[:, None], entries, -1)
+            entries = torch.arange(width, device=positions.device)
+            return torch.where(entries < num_visible[rows, None], entries, -1)
 
-        return md.once("c128 entries", every_visible)
+        return md.once(("c128 entries", rows.start, rows.stop), make)
 
     def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one
