@@ -31,7 +31,7 @@ mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
-summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|eager vs eager|stale pages|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1
@@ -59,7 +59,7 @@ case "${1:-unit}" in
       > "$LOG_DIR/graph_ops.log" 2>&1; summary "$LOG_DIR/graph_ops.log" ;;
   graphs)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
-      -k "cuda_graph or reproducible or stale" > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
+      -k "cuda_graph or reproducible or unwritten" > "$LOG_DIR/graphs.log" 2>&1; summary "$LOG_DIR/graphs.log" ;;
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;

@@ -3,7 +3,8 @@
 Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the engine arguments and
 batches of prompts (token ids); each batch is one ``generate`` call, optionally on its prompts
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
-with garbage before the first batch. Every engine gets its own
+with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
+(integers with their largest value). Every engine gets its own
 process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
@@ -99,6 +100,16 @@ def poison_kv_caches(worker) -> int:
     return len(storages)
 
 
+def fill_uninitialized_memory(worker) -> bool:
+    """From now on torch fills what ``empty`` allocates (NaN, or an integer's largest value), so a kernel
+    that reads a temporary before writing it shows, whatever the allocator hands out. Torch does so only
+    in deterministic mode; ``warn_only`` keeps the ops that have no deterministic variant (a warning
+    each). Called through ``collective_rpc``."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    return torch.are_deterministic_algorithms_enabled()
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -116,6 +127,7 @@ def main(job_path: str, out_path: str) -> None:
               **engine_args)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     poisoned = sum(llm.collective_rpc(poison_kv_caches)) if job.get("poison_kv_cache") else 0
+    filling = all(llm.collective_rpc(fill_uninitialized_memory)) if job.get("fill_uninitialized_memory") else False
     batches = []
     for batch in job["batches"]:
         # logprobs: True for the whole vocabulary, k for the top k (stored sparse), False for none
@@ -152,7 +164,7 @@ def main(job_path: str, out_path: str) -> None:
             results.append(r)
         batches.append(results)
     torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches),
-                "poisoned_caches": poisoned}, out_path)
+                "poisoned_caches": poisoned, "filled_uninitialized_memory": filling}, out_path)
 
 
 if __name__ == "__main__":

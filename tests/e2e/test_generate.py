@@ -49,9 +49,10 @@ def runner_env() -> dict:
 
 
 def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], name: str, env=None,
-             max_tokens: int = MAX_TOKENS, poison_kv_cache: bool = False) -> dict:
+             max_tokens: int = MAX_TOKENS, **options) -> dict:
+    """``options``: run_vllm.py's ``poison_kv_cache`` and ``fill_uninitialized_memory``."""
     job = {"model": str(model), "engine": engine, "batches": batches, "max_tokens": max_tokens, "env": env or {},
-           "poison_kv_cache": poison_kv_cache}
+           **options}
     cmd, out_path = runner_command(tmp_path, name, job)
     proc = subprocess.run(cmd, env=runner_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -257,17 +258,18 @@ def vllm_fp8kv(tmp_path_factory, tiny_ckpt_unquantized):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_outputs_do_not_depend_on_stale_cache_contents(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked,
-                                                       vllm_fp8kv, kv_cache_dtype):
+def test_outputs_do_not_depend_on_unwritten_memory(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked,
+                                                    vllm_fp8kv, kv_cache_dtype):
     """Every cache page filled with garbage before the first request (what pages freed by other
-    requests hold when vLLM hands them out): the same tokens and bit-identical log-probs, so no step
-    reads an entry, scale or state row before writing it."""
+    requests hold when vLLM hands them out), and every buffer allocated after it with NaN: the same
+    tokens and bit-identical log-probs, so no step reads an entry, scale, state row or temporary
+    before writing it."""
     baseline = vllm_unchunked if kv_cache_dtype == "auto" else vllm_fp8kv
     engine = dict(ENGINE, max_num_batched_tokens=4096, kv_cache_dtype=kv_cache_dtype)
     batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}]
     result = run_vllm(tmp_path_factory.mktemp(f"poisoned_{kv_cache_dtype}"), tiny_ckpt_unquantized, engine, batches,
-                      f"poisoned_{kv_cache_dtype}", poison_kv_cache=True)
-    assert result["poisoned_caches"] > 0
+                      f"poisoned_{kv_cache_dtype}", poison_kv_cache=True, fill_uninitialized_memory=True)
+    assert result["poisoned_caches"] > 0 and result["filled_uninitialized_memory"]
     for i, (ours, ref) in enumerate(zip(result["batches"][0], baseline["batches"][0])):
         assert ours["tokens"] == ref["tokens"], f"prompt {i}"
         assert torch.equal(ours["logprobs"], ref["logprobs"]), f"prompt {i}"

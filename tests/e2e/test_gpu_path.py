@@ -88,10 +88,11 @@ def both_paths(tmp_path_factory, ktiny_ckpt, gpu_eager):
 DECODE_JOB = [{"prompts": PROMPTS, "logprobs": True, "prompt_logprobs": False}]
 
 
-def decode_run(tmp_path_factory, ckpt, name: str, poison_kv_cache: bool = False, **engine) -> list[dict]:
-    """GRAPH_TOKENS greedy tokens with log-probs for each prompt, bf16, eager unless ``engine`` says."""
+def decode_run(tmp_path_factory, ckpt, name: str, options: dict | None = None, **engine) -> list[dict]:
+    """GRAPH_TOKENS greedy tokens with log-probs for each prompt, bf16, eager unless ``engine`` says;
+    ``options``: run_vllm.py's job options."""
     return run_vllm(tmp_path_factory.mktemp(name), ckpt, dict(ENGINE, dtype="bfloat16", **engine), DECODE_JOB, name,
-                    max_tokens=GRAPH_TOKENS, poison_kv_cache=poison_kv_cache)["batches"][0]
+                    max_tokens=GRAPH_TOKENS, **(options or {}))["batches"][0]
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +122,14 @@ def test_eager_decode_is_reproducible(tmp_path_factory, ktiny_ckpt, decode_eager
                            "eager vs eager")
 
 
-def test_eager_decode_ignores_stale_cache_contents(tmp_path_factory, ktiny_ckpt, decode_eager):
-    """Every cache page filled with garbage first (what pages freed by other requests hold): the same
-    bits, so no kernel of the GPU path reads an FP8 entry, scale or state row before writing it. (Where
-    memory is laid out differently, e.g. with other MoE kernels, a read of unwritten memory would show
-    as graphs and eager parting.)"""
-    assert_same_generation(decode_run(tmp_path_factory, ktiny_ckpt, "decode_poisoned", poison_kv_cache=True),
-                           decode_eager, "stale pages vs fresh")
+def test_eager_decode_ignores_unwritten_memory(tmp_path_factory, ktiny_ckpt, decode_eager):
+    """Every cache page filled with garbage first (what pages freed by other requests hold), and every
+    buffer allocated after it with NaN: the same bits, so no kernel of the GPU path reads an FP8 entry,
+    scale, state row or temporary before writing it. (Where memory is laid out differently, e.g. in a
+    CUDA graph's pool or with other MoE kernels, such a read would show as graphs and eager parting.)"""
+    options = {"poison_kv_cache": True, "fill_uninitialized_memory": True}
+    assert_same_generation(decode_run(tmp_path_factory, ktiny_ckpt, "decode_unwritten", options), decode_eager,
+                           "unwritten memory filled vs not")
 
 
 def test_cuda_graph_decode_matches_eager(tmp_path_factory, ktiny_ckpt, decode_eager):
