@@ -15,21 +15,25 @@ weights) without ever materialising a decoded weight: the codes are decoded in r
 4. ``_sum_k_kernel``: the k rows of each token summed in fp32 (skipped slots masked), cast to
    ``x.dtype``: deterministic, no atomics.
 
-MXFP4 decode of a ``[BLOCK_N, BLOCK_K]`` tile: the packed bytes give the even (low nibble) and odd
-(high nibble) columns, and the activation tile is split into its even and odd columns in registers,
-so the product is two dots with no interleaving of decoded weights. A nibble ``s e1 e0 m`` placed
-at fp16 bits 15 / 11..9 is the fp16 number ``e2m1 * 2^-14`` (code ``s 00 m`` is the fp16 subnormal
-``m * 2^-15``, which fp16 -> fp32 converts exactly); times ``2^(scale - 127 + 14)``, built from the
-scale byte's exponent bits, it is the weight, exact in bf16 (two significant bits). Weights are
-thus the reference's values, x is exact in its dtype, and only the fp32 summation order differs,
-plus h rounded to ``x.dtype`` (the reference keeps it fp32). Tiles divide the dims (the launcher
-narrows them), so the K loops load without masks and Triton pipelines them.
+MXFP4 decode of a ``[BLOCK_N, BLOCK_K]`` tile, two codes per bit operation: weights are read as
+32-bit words of 8 codes (nibble j = code j), and a word shifted left by ``4 * (3 - i)`` has codes i
+and i + 4 at bits 12..15 and 28..31, from where ``(q & 0x80008000) | ((q >> 6) & 0x01C001C0)``
+places each code ``s e1 e0 m`` at bf16 bits 15 / 8..6 of its half: the bf16 number
+``e2m1 * 2^-126`` (code ``s 00 m`` is the bf16 subnormal ``m * 2^-127``). An exact bf16 product,
+both halves of a register at once, gives the weight: ``* 2^(s - 1)``, which bf16 holds for scale
+bytes up to 128 (``narrow_scales``), else two: ``* 2^(min(s, 128) - 1) * 2^(max(s, 128) - 128)``.
+The halves of such a register feed a tensor-core instruction as one pair of K, so the kernel's K order within each 8 is
+0 4 1 5 2 6 3 7: the W13 pass permutes its x tile in registers and stores h in that order, which
+the W2 pass reads as it is. Weights are thus the reference's values, x is exact in its dtype, and
+only the fp32 summation order differs, plus h rounded to ``x.dtype`` (the reference keeps it fp32).
+Tiles divide the dims (the launcher narrows them), so the K loops load without masks and Triton
+pipelines them. About 5-6 SASS instructions per weight element at decode (sm_90, triton 3.9; the
+even/odd split with fp32 scaling it replaced took 9-11).
 
-Limits: D and I multiples of 32; scale bytes up to 240 (weights below 2^114; 241..255 give inf
-where the reference gives a huge value or NaN); x fp32 / bf16 / fp16 (fp16 computes with decoded
-weights in fp16, exact for scales in fp16 range). Transient buffers: h ``[rows, I]`` in x.dtype
-(rows <= ``T*k + E_local * BLOCK_M``) and the fp32 partial outputs ``[T*k, D]``: at V4-Flash,
-T = 8192, about 270 MB + 800 MB.
+Limits: D and I multiples of 32; x fp32 / bf16 / fp16 (decoded weights cast to x's dtype: exact in
+fp16 for scales in its range); scale byte 255 (e8m0 NaN) gives inf where the reference gives NaN.
+Transient buffers: h ``[rows, I]`` in x.dtype (rows <= ``T*k + E_local * BLOCK_M``) and the fp32
+partial outputs ``[T*k, D]``: at V4-Flash, T = 8192, about 270 MB + 800 MB.
 
 Bytes (V4-Flash, D = 4096, I = 2048): per hit expert 8 MiB of W13 codes + 4 MiB of W2 codes +
 0.75 MiB of scales, read once per row block (one block per expert at decode: T = 1 reads 6
@@ -49,41 +53,70 @@ from csrc_triton.routing import swiglu_clamped_values
 
 
 @triton.jit
-def _e2m1_x2p14(n):
-    """Low nibble of int32 ``n`` (``s e1 e0 m``) -> fp32 ``e2m1 * 2^-14``, through the fp16 bits."""
-    bits = ((n & 7) << 9) | ((n & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _mul_bf16x2(a, b):
+    """``a * b`` in bf16, both halves of a register at once (Triton's own bf16 product makes ptxas
+    swap each pair's halves before and after it). An FMA adding -0, exact: mul.bf16x2 needs sm_90."""
+    return tl.inline_asm_elementwise("{ .reg .b32 nz; mov.b32 nz, 0x80008000; fma.rn.bf16x2 $0, $1, $2, nz; }",
+                                     "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
-def _decode_tile(w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[BLOCK_N, BLOCK_K]`` of MXFP4 weight -> fp32 (even columns, odd columns), each ``[BLOCK_N, BLOCK_K/2]``."""
-    b = tl.load(w_ptrs).to(tl.int32)  # [BN, BK/2] packed bytes
+def _code_pair(words, i: tl.constexpr):
+    """Codes ``i`` and ``i + 4`` of each word (nibble j is code j) as the bits of bf16 ``e2m1 * 2^-126``:
+    the word shifted so that they sit at bits 12..15 and 28..31, three bit operations place both."""
+    q = words << (4 * (3 - i))
+    pair = (q & 0x80008000) | ((q >> 6) & 0x01C001C0)
+    return (pair & 0xFFFF).to(tl.uint16), (pair >> 16).to(tl.uint16)
+
+
+@triton.jit
+def _decode_tile(w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NARROW_SCALES: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` of MXFP4 weight (its words at ``w_ptrs``, scale bytes at ``s_ptrs``)
+    in the kernel's K order, fp32 when ``INTERPRETED`` (its dots need fp32), else bf16."""
+    words = tl.load(w_ptrs).to(tl.uint32, bitcast=True)  # [BN, BK/8]: 8 codes each
     s = tl.load(s_ptrs).to(tl.int32)  # [BN, BK/32] e8m0 bytes
-    f = ((tl.minimum(s, 241) + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(s-127) * 2^14
-    lo = tl.reshape(_e2m1_x2p14(b), [BLOCK_N, BLOCK_K // 32, 16]) * f  # [BN, BK/32, 16]
-    hi = tl.reshape(_e2m1_x2p14(b >> 4), [BLOCK_N, BLOCK_K // 32, 16]) * f
-    return tl.reshape(lo, [BLOCK_N, BLOCK_K // 2]), tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+    lo0, hi0 = _code_pair(words, 0)
+    lo1, hi1 = _code_pair(words, 1)
+    lo2, hi2 = _code_pair(words, 2)
+    lo3, hi3 = _code_pair(words, 3)
+    lo = tl.reshape(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), [BLOCK_N, BLOCK_K // 8, 4])  # codes 0..3
+    hi = tl.reshape(tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)), [BLOCK_N, BLOCK_K // 8, 4])  # codes 4..7
+    codes = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # position 2i + h: code i + 4h
+    # times 2^(s - 1): one exact product where every s <= 128, else two (2^(s - 1) passes bf16's range)
+    if NARROW_SCALES:
+        e1 = s + 126
+    else:
+        e1 = tl.minimum(s, 128) + 126
+    e1 = tl.reshape(tl.broadcast_to(e1[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
+    e2 = tl.reshape(tl.broadcast_to((tl.maximum(s, 128) - 1)[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]),
+                    [BLOCK_N, BLOCK_K])
+    if INTERPRETED:  # through the bits: its bf16 -> fp32 cast flushes the subnormal code 0.5 * 2^-126
+        w = (codes.to(tl.uint32) << 16).to(tl.float32, bitcast=True) * (e1 << 23).to(tl.float32, bitcast=True)
+        if not NARROW_SCALES:
+            w *= (e2 << 23).to(tl.float32, bitcast=True)
+        return w
+    w = _mul_bf16x2(codes.to(tl.bfloat16, bitcast=True), (e1 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    if not NARROW_SCALES:
+        w = _mul_bf16x2(w, (e2 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    return w
 
 
 @triton.jit
-def _load_even_odd(a_ptrs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """One K step of the activations ``A [BM, BK]`` -> its even and odd columns, each ``[BM, BK/2]``."""
-    a = tl.load(a_ptrs)  # [BM, BK]
-    if DOT_F32:
+def _dot(acc, a, w, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + a w^T``: fp32 operands under the interpreter (see ``_INTERPRETED``), else w in a's dtype (exact:
+    two significant bits)."""
+    if INTERPRETED:
         a = a.to(tl.float32)
-    return tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+    else:
+        w = w.to(a.dtype)
+    return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
 
 
 @triton.jit
-def _mxfp4_dot(acc, a_even, a_odd, w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """``acc [BM, BN] += A W^T`` for one K step of MXFP4 ``W [BN, BK]``. Unmasked: the launcher picks
-    tiles that divide the dims, so the loads pipeline (masked byte loads would not)."""
-    w_even, w_odd = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K)  # [BN, BK/2] fp32 x2
-    w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)  # exact: two significant bits
-    acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision=PRECISION)
-    return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision=PRECISION)  # [BM, BN]
+def _to_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns of ``a [BM, BK]`` in the kernel's K order (within each 8: 0 4 1 5 2 6 3 7), in registers."""
+    return tl.reshape(tl.permute(tl.reshape(a, [BLOCK_M, BLOCK_K // 8, 2, 4]), (0, 1, 3, 2)), [BLOCK_M, BLOCK_K])
 
 
 @triton.jit
@@ -92,7 +125,7 @@ def _w13_swiglu_kernel(
     I, D, top_k, limit,
     s_xt, s_we, s_wn, s_se, s_sn, s_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e < 0:
@@ -103,22 +136,26 @@ def _w13_swiglu_kernel(
     tok = tl.where(m_ok, pair // top_k, 0).to(tl.int64)  # [BM] padding rows read token 0, never kept
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of W1 (gate); of W3 (up) at I + n
     k = tl.arange(0, BLOCK_K)  # [BK] x columns of a K step
-    kb = tl.arange(0, BLOCK_K // 2)  # [BK/2] weight bytes
+    kw = tl.arange(0, BLOCK_K // 8)  # [BK/8] weight words
     ks = tl.arange(0, BLOCK_K // 32)  # [BK/32] scales
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     x_ptrs = x_ptr + tok[:, None] * s_xt + k[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kb[None, :]  # [BN, BK/2]
+    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
     s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
     for _ in range(0, D, BLOCK_K):
-        x_even, x_odd = _load_even_odd(x_ptrs, BLOCK_M, BLOCK_K, DOT_F32)  # [BM, BK/2] x2
-        gate = _mxfp4_dot(gate, x_even, x_odd, w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, PRECISION)
-        up = _mxfp4_dot(up, x_even, x_odd, w_ptrs + I * s_wn, s_ptrs + I * s_sn, BLOCK_N, BLOCK_K, PRECISION)
+        xk = _to_k_order(tl.load(x_ptrs), BLOCK_M, BLOCK_K)  # [BM, BK]
+        w1 = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+        w3 = _decode_tile(w_ptrs + I * s_wn, s_ptrs + I * s_sn, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+        gate = _dot(gate, xk, w1, INTERPRETED, PRECISION)
+        up = _dot(up, xk, w3, INTERPRETED, PRECISION)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
     h = swiglu_clamped_values(gate, up, limit)  # [BM, BN]
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + n[None, :], h.to(h_ptr.dtype.element_ty))
+    # h's columns in the K order the W2 pass reads: column n at 8 * (n // 8) + 2 * (n % 4) + n % 8 // 4
+    col = n - n % 8 + 2 * (n % 4) + n % 8 // 4
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + col[None, :], h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -127,7 +164,7 @@ def _w2_kernel(
     D, I,
     s_hm, s_we, s_wn, s_se, s_sn, s_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e < 0:
@@ -137,17 +174,17 @@ def _w2_kernel(
     m_ok = pair >= 0
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns (of D)
     k = tl.arange(0, BLOCK_K)
-    kb = tl.arange(0, BLOCK_K // 2)
+    kw = tl.arange(0, BLOCK_K // 8)
     ks = tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * s_hm + k[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kb[None, :]  # [BN, BK/2]
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * s_hm + k[None, :]  # [BM, BK], already in the K order
+    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
     s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
     for _ in range(0, I, BLOCK_K):
-        h_even, h_odd = _load_even_odd(h_ptrs, BLOCK_M, BLOCK_K, DOT_F32)  # [BM, BK/2] x2
-        acc = _mxfp4_dot(acc, h_even, h_odd, w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, PRECISION)
+        w = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+        acc = _dot(acc, tl.load(h_ptrs), w, INTERPRETED, PRECISION)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
     rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)  # [BM] fp32 routing weight
     tl.store(y_ptr + pair[:, None].to(tl.int64) * s_yp + n[None, :], acc * rw[:, None], mask=m_ok[:, None])
@@ -164,7 +201,8 @@ def _sum_k_kernel(y_ptr, ids_ptr, out_ptr, D, top_k, E, BLOCK_SLOTS: tl.constexp
     tl.store(out_ptr + t * D + d, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-# See sparse_attn.py: the interpreter needs fp32 dot operands (its bf16 matmul is wrong in triton 3.9).
+# See sparse_attn.py: the interpreter needs fp32 dot operands (its bf16 matmul is wrong in triton 3.9);
+# it cannot run inline PTX either.
 _INTERPRETED = not isinstance(_w2_kernel, JITFunction)
 
 
@@ -180,11 +218,10 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile caps. Decode and small batches (at most 16 rows per expert on average): 16-row blocks,
     one per hit expert, so each weight byte is read once; 32-column tiles give the W13 pass at T = 1
     (6 experts, I = 2048) 384 programs and the W2 pass 768; 4 stages keep 12 KB of weight bytes in
-    flight per W13 program. Larger batches: 64 x 64 tiles reuse a decoded tile over 64 rows. Register
-    counts from compiling for sm_90a without a GPU (triton 3.9, bf16): 85 / 80 (decode), 168 / 127
-    (batch), no spills, loads pipelined. The decode costs about 9-10 SASS instructions per weight
-    element, which likely caps the decode case near 1/3 of HBM bandwidth (not yet measured on a
-    GPU). fp32 (a test path) halves the K step."""
+    flight per W13 program. Larger batches: 64 x 64 tiles reuse a decoded tile over 64 rows. Registers
+    from compiling for sm_90a without a GPU (triton 3.9, bf16): 96 / 64 (decode), 201 / 96 (batch).
+    The decode case is likely bound by the decode's arithmetic rather than HBM (not yet measured on
+    a GPU). fp32 (a test path) halves the K step."""
     if num_pairs <= 16 * num_experts:
         cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     else:
@@ -251,6 +288,7 @@ def moe_experts_mxfp4(
     w2: Tensor,
     w2_scale: Tensor,
     swiglu_limit: float,
+    narrow_scales: bool = False,
     config: dict | None = None,
 ) -> Tensor:
     """Triton :func:`moe_mxfp4_ref.moe_experts_mxfp4` (same arguments and result); ``config``
@@ -265,6 +303,8 @@ def moe_experts_mxfp4(
         w2: ``[E_local, D, I/2]`` uint8 / int8 packed e2m1.
         w2_scale: ``[E_local, D, I/32]`` uint8 / float8_e8m0fnu.
         swiglu_limit: L.
+        narrow_scales: the caller's promise that no scale byte passes 128 (weights below 16, as in
+            trained checkpoints: model/moe.py checks once at load); the decode then takes one product.
 
     Returns:
         ``[T, D]`` in ``x.dtype``; matmuls and the weighted sum accumulate in fp32.
@@ -278,7 +318,7 @@ def moe_experts_mxfp4(
     assert w13.shape == (E, 2 * I, D // 2) and w13_scale.shape == (E, 2 * I, D // MXFP4_BLOCK), w13_scale.shape
     assert w2.shape == (E, D, I // 2) and w2_scale.shape == (E, D, I // MXFP4_BLOCK), (w2.shape, w2_scale.shape)
     assert ids.shape == weights.shape == (T, k) and not ids.dtype.is_floating_point, (ids.shape, weights.shape)
-    w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+    w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # words of 8 codes
     w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     assert all(w.is_contiguous() for w in (w13, w13_scale, w2, w2_scale))
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
@@ -295,7 +335,8 @@ def moe_experts_mxfp4(
     h_dtype = torch.float32 if _INTERPRETED else x.dtype
     h = torch.empty(num_blocks * bm, I, dtype=h_dtype, device=x.device)  # [rows, I]
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D]; skipped rows unwritten
-    common = dict(BLOCK_M=bm, DOT_F32=_INTERPRETED, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
+    common = dict(BLOCK_M=bm, NARROW_SCALES=narrow_scales, INTERPRETED=_INTERPRETED,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
     bn1, bk1 = _tile(I, bn), _tile(D, bk)
     _w13_swiglu_kernel[(num_blocks, I // bn1)](
         x, w13, w13_scale, h, pair_of_row, block_expert,

@@ -57,6 +57,7 @@ def moe_experts_mxfp4(
     w2: Tensor,
     w2_scale: Tensor,
     swiglu_limit: float,
+    narrow_scales: bool = False,
 ) -> Tensor:
     """:func:`routing_ref.moe_experts` with MXFP4 expert weights (§6 steps 4-5).
 
@@ -72,6 +73,7 @@ def moe_experts_mxfp4(
         w2: ``[E_local, D, I/2]`` uint8 packed.
         w2_scale: ``[E_local, D, I/32]`` uint8 e8m0.
         swiglu_limit: L.
+        narrow_scales: the kernel's hint that no scale byte passes 128; the reference decodes any.
 
     Returns:
         ``[T, D]`` in ``x.dtype``, accumulated in fp32.

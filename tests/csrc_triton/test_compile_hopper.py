@@ -121,6 +121,18 @@ def v4_flash_experts(T: int) -> tuple:
     return moe_mxfp4_args(T, 4096, 2048, 2, 6, torch.bfloat16, device="cpu")
 
 
+@pytest.mark.parametrize("T", [1, 64], ids=["decode", "batch"])
+@pytest.mark.parametrize("kernel", [moe_mxfp4._w13_swiglu_kernel, moe_mxfp4._w2_kernel], ids=["w13", "w2"])
+def test_moe_decode_scales_code_pairs_in_bf16(kernel, T):
+    """The experts' decode as the model runs it (narrow scales): each register of two codes scaled by
+    one bf16x2 FMA, the weights never widened to fp32 (the decode's arithmetic bounds these kernels)."""
+    launcher = functools.partial(moe_mxfp4.moe_experts_mxfp4, narrow_scales=True)
+    (launch,) = captured_launches(kernel, launcher, *v4_flash_experts(T))
+    ptx = compile_for_hopper(kernel, *launch).asm["ptx"]
+    assert "fma.rn.bf16x2" in ptx
+    assert "cvt.f32.bf16" not in ptx and "cvt.f32.f16" not in ptx
+
+
 # (kernel, its launcher, the launcher's arguments); shapes from the kernel tests' V4-Flash cases
 KERNEL_CASES = [
     pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,

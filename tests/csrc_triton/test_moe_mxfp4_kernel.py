@@ -52,11 +52,13 @@ V4_FLASH = [
 ]
 
 
+@pytest.mark.parametrize("narrow_scales", [False, True], ids=["any-scales", "narrow-scales"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T, D, I, E, k, p_hot", SHAPES)
-def test_moe_experts_mxfp4_matches_ref(T, D, I, E, k, p_hot, dtype):
+def test_moe_experts_mxfp4_matches_ref(T, D, I, E, k, p_hot, dtype, narrow_scales):
+    """Both decodes (one scale product where the weights' scale bytes are <= 128, as here, or two)."""
     args = moe_mxfp4_args(T, D, I, E, k, dtype, p_hot=p_hot, limit=3.0)
-    out = moe_experts_mxfp4(*args)
+    out = moe_experts_mxfp4(*args, narrow_scales=narrow_scales)
     assert out.shape == (T, D)
     assert_close(out, moe_experts_mxfp4_ref(*args), dtype)
     if T > 1:  # token 0 has every slot skipped: exactly 0
@@ -66,7 +68,7 @@ def test_moe_experts_mxfp4_matches_ref(T, D, I, E, k, p_hot, dtype):
 @pytest.mark.parametrize("T, D, I, E, k, p_hot", V4_FLASH)
 def test_moe_experts_mxfp4_v4_flash(T, D, I, E, k, p_hot):
     args = moe_mxfp4_args(T, D, I, E, k, torch.bfloat16, p_hot=p_hot, limit=10.0)
-    assert_close(moe_experts_mxfp4(*args), moe_experts_mxfp4_ref(*args), torch.bfloat16)
+    assert_close(moe_experts_mxfp4(*args, narrow_scales=True), moe_experts_mxfp4_ref(*args), torch.bfloat16)
 
 
 def test_moe_experts_mxfp4_all_skipped_is_zero():
@@ -83,6 +85,21 @@ def test_moe_experts_mxfp4_int32_ids_and_e8m0_scales():
     out = moe_experts_mxfp4(x, weights, ids.int(), w13.view(torch.int8), s13.view(torch.float8_e8m0fnu),
                             w2.view(torch.int8), s2.view(torch.float8_e8m0fnu), limit)
     assert_close(out, ref, x.dtype)
+
+
+def test_moe_experts_mxfp4_scales_across_the_e8m0_range():
+    """W13 scale bytes 129..200 (weights up to 2^75, past the 2^(s - 1) factor bf16 can hold, so both
+    factors of the decode act) against x scaled by 2^-75; W2 scale bytes 10..40 (weights down to
+    2^-118), the outputs compared scaled up by 2^90. Exact powers of two: any misplaced exponent shows."""
+    x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(9, 64, 64, 4, 3, limit=3.0)
+    g = torch.Generator().manual_seed(1)
+    s13 = torch.randint(129, 201, s13.shape, generator=g).to(torch.uint8).to(s13.device)
+    s2 = torch.randint(10, 41, s2.shape, generator=g).to(torch.uint8).to(s2.device)
+    x = x * 2.0**-75
+    ref = moe_experts_mxfp4_ref(x, weights, ids, w13, s13, w2, s2, limit)
+    out = moe_experts_mxfp4(x, weights, ids, w13, s13, w2, s2, limit)
+    assert ref.abs().max() > 2.0**-95  # the scales reached the outputs
+    assert_close(out * 2.0**90, ref * 2.0**90, x.dtype)
 
 
 @pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),

@@ -49,6 +49,22 @@ def _routing(cfg: Dsv4Config, T: int, seed: int = 0):
     return x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
 
 
+@pytest.mark.skipif(ops.MOE_BACKEND == "marlin", reason="finish_loading hands the experts to Marlin")
+def test_narrow_scales_follow_the_loaded_scale_bytes(loaded):
+    """The Triton decode's single-product promise holds exactly when no scale byte passes 128."""
+    _, _, packed, _ = loaded
+    packed.finish_loading()
+    assert packed.narrow_scales  # the checkpoint maker's experts: weights far below 16
+    kept = packed.w2_scale.data[1, 2, 0].clone()
+    try:
+        packed.w2_scale.data[1, 2, 0] = 129
+        packed.finish_loading()
+        assert not packed.narrow_scales
+    finally:
+        packed.w2_scale.data[1, 2, 0] = kept
+        packed.finish_loading()
+
+
 def test_packed_parameters_hold_the_checkpoint_bytes(loaded):
     cfg, ckpt, packed, _ = loaded
     i = cfg.moe_intermediate_size

@@ -75,11 +75,15 @@ class Experts(nn.Module):
         self.holds_all = e == cfg.n_routed_experts  # then the router's ids are local ids already
         self.limit = cfg.swiglu_limit
         self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ops.MOE_BACKEND picks it
+        self.narrow_scales = False  # every scale byte <= 128: the Triton decode's single product (finish_loading)
 
     def finish_loading(self) -> None:
-        """After loading: hand the packed experts to vLLM's Marlin MoE if selected (it repacks them;
-        the checkpoint-layout copies are released)."""
-        if not (self.packed and ops.MOE_BACKEND == "marlin"):
+        """After loading: note whether the scales are narrow (one host read), and hand the packed
+        experts to vLLM's Marlin MoE if selected (it repacks them; the checkpoint-layout copies are released)."""
+        if not self.packed:
+            return
+        self.narrow_scales = max(int(self.w13_scale.max()), int(self.w2_scale.max())) <= 128
+        if ops.MOE_BACKEND != "marlin":
             return
         self.marlin = compat.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
                                                   self.w2_scale.data, self.limit)
@@ -98,7 +102,7 @@ class Experts(nn.Module):
             return self.marlin(x, weights, local)
         if self.packed:
             return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
-                                         self.limit)
+                                         self.limit, self.narrow_scales)
         return ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
 
 
