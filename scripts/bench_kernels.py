@@ -113,8 +113,9 @@ def cases() -> list[Case]:
     rows += [Case("rope_out_proj", f"T={T} H=64 d=512 G=8 R=1024",
                   lambda T=T: kc.out_proj_args(T, 64, 512, 64, 8, 1024, BF16), kc.out_proj_bytes(T, 64, 512, 8, 1024, BF16))
              for T in (1, 16, 64, 1024, 8192)]
+    # narrow_scales=True, as model/moe.py finds for these weights (scale bytes <= 128)
     rows += [Case("moe_experts_mxfp4", f"T={T} E=256 k=6 D=4096 I=2048",
-                  lambda T=T: kc.moe_mxfp4_args(T, 4096, 2048, 256, 6, BF16, p_skip=0.0),
+                  lambda T=T: kc.moe_mxfp4_args(T, 4096, 2048, 256, 6, BF16, p_skip=0.0) + (True,),
                   kc.moe_mxfp4_bytes(T, 4096, 2048, 256, 6, BF16))
              for T in (1, 16, 64, 8192)]
     return rows
@@ -176,16 +177,16 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     if op == "moe_experts_mxfp4":  # vLLM's Marlin MXFP4 MoE, the weights repacked once
         from vllm_dsv4 import compat
 
-        x, weights, ids, w13, w13_scale, w2, w2_scale, limit = inputs
+        x, weights, ids, w13, w13_scale, w2, w2_scale, limit, narrow = inputs
         from csrc_triton.moe_mxfp4 import _config, moe_experts_mxfp4
 
         marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
         # other tiles of our kernel at decode sizes, named nBLOCK_N kBLOCK_K wWARPS sSTAGES
         chosen = _config(ids.numel(), w13.shape[0], x.dtype)
         sweep = [dict(chosen, BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, w, st in
-                 ((64, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 8, 5), (64, 256, 8, 3))]
+                 ((64, 128, 4, 4), (32, 128, 2, 4), (64, 128, 2, 4), (32, 256, 4, 3), (32, 128, 8, 5))]
         tiled = {f"n{c['BLOCK_N']}k{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}":
-                 (lambda c=c: moe_experts_mxfp4(x, weights, ids, w13, w13_scale, w2, w2_scale, limit, config=c))
+                 (lambda c=c: moe_experts_mxfp4(x, weights, ids, w13, w13_scale, w2, w2_scale, limit, narrow, config=c))
                  for c in sweep if chosen["BLOCK_M"] == 16 and c != chosen}
         return {"marlin": lambda: marlin(x, weights, ids)} | tiled
     return {}
