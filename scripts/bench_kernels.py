@@ -6,9 +6,9 @@ One case table (V4-Flash shapes, bf16 activations unless the op is fp32 by defin
 from tests/csrc_triton/kernel_cases.py, the same builders the kernel tests use. GB/s counts the bytes
 the op must move (the ``*_bytes`` helpers there), so the % column is a roofline fraction for the
 kernel line; the reference line is timed on the same bytes for comparison. Kernels are timed replayed
-from a CUDA graph, as decode steps run them: timed eagerly, a decode-sized call mostly measures
-Python's launch cost (the MoE's 985 µs at T = 1 on 2026-12-03b were such a figure for 76 MB of
-weights). Each case first checks the
+from a CUDA graph, as decode steps run them: timed eagerly, a decode-sized call can mostly measure
+Python's launch cost (likely so for the MoE rows of 2026-12-03b: 985 µs at T = 1 for 76 MB of
+weights, 1,034 at T = 16 for ~1 GB; Marlin's 277 / 436). Each case first checks the
 kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
 Skips (exit 0) without CUDA. Where the model can run another GPU implementation of an op (wo_a: the
 inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, and our de-rotating quantiser then
