@@ -87,6 +87,20 @@ def test_moe_experts_mxfp4_int32_ids_and_e8m0_scales():
     assert_close(out, ref, x.dtype)
 
 
+@pytest.mark.parametrize("narrow_scales", [False, True], ids=["any-scales", "narrow-scales"])
+def test_moe_experts_mxfp4_half_codes(narrow_scales):
+    """Every code +-0.5 (e2m1 0001 / 1001), the one the decode builds as a bf16 subnormal before
+    scaling it: a GPU that flushed subnormal operands would zero every weight here."""
+    x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(5, 64, 64, 2, 2, limit=3.0)
+    w13, w2 = torch.full_like(w13, 0x91), torch.full_like(w2, 0x19)  # low nibble +0.5, high -0.5 (and back)
+    g = torch.Generator().manual_seed(2)
+    s13 = torch.randint(124, 129, s13.shape, generator=g).to(torch.uint8).to(s13.device)
+    s2 = torch.randint(120, 125, s2.shape, generator=g).to(torch.uint8).to(s2.device)
+    ref = moe_experts_mxfp4_ref(x, weights, ids, w13, s13, w2, s2, limit)
+    assert ref.abs().max() > 0.1
+    assert_close(moe_experts_mxfp4(x, weights, ids, w13, s13, w2, s2, limit, narrow_scales), ref, x.dtype)
+
+
 def test_moe_experts_mxfp4_scales_across_the_e8m0_range():
     """W13 scale bytes 129..200 (weights up to 2^75, past the 2^(s - 1) factor bf16 can hold, so both
     factors of the decode act) against x scaled by 2^-75; W2 scale bytes 10..40 (weights down to
