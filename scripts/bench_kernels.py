@@ -168,7 +168,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         T, chosen = o.shape[0], default_tiles(o.shape[0])
         sweep = ([dict(chosen, BLOCK_N=n, num_warps=w, num_stages=st) for n, w, st in
                   ((32, 4, 4), (32, 4, 6), (64, 4, 6), (64, 8, 4), (128, 8, 4))]
-                 + [dict(chosen, SPLIT_K=sk) for sk in (2, 4, 8)] if T <= 64 else
+                 + [dict(chosen, SPLIT_K=sk) for sk in (1, 2, 4, 8)] if T <= 64 else
                  [dict(chosen, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st) for m, n, w, st in
                   ((64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3))])
         tiled = {f"m{t['BLOCK_M']}n{t['BLOCK_N']}w{t['num_warps']}s{t['num_stages']}"
