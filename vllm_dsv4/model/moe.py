@@ -82,7 +82,7 @@ class Experts(nn.Module):
         experts to vLLM's Marlin MoE if selected (it repacks them; the checkpoint-layout copies are released)."""
         if not self.packed:
             return
-        self.narrow_scales = max(int(self.w13_scale.max()), int(self.w2_scale.max())) <= 128
+        self.narrow_scales = all(int(s.max()) <= 128 for s in (self.w13_scale, self.w2_scale) if s.numel())
         if ops.MOE_BACKEND != "marlin":
             return
         self.marlin = compat.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
