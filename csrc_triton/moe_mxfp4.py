@@ -83,23 +83,25 @@ def _decode_tile(w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N
     lo = tl.reshape(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), [BLOCK_N, BLOCK_K // 8, 4])  # codes 0..3
     hi = tl.reshape(tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)), [BLOCK_N, BLOCK_K // 8, 4])  # codes 4..7
     codes = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # position 2i + h: code i + 4h
-    # times 2^(s - 1): one exact product where every s <= 128, else two (2^(s - 1) passes bf16's range)
-    if NARROW_SCALES:
-        e1 = s + 126
+    if INTERPRETED:  # fp32 through the bits: the interpreter's bf16 -> fp32 cast flushes the subnormal codes
+        w = (codes.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        e1 = tl.minimum(s, 128) + 126
-    e1 = tl.reshape(tl.broadcast_to(e1[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
-    e2 = tl.reshape(tl.broadcast_to((tl.maximum(s, 128) - 1)[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]),
-                    [BLOCK_N, BLOCK_K])
-    if INTERPRETED:  # through the bits: its bf16 -> fp32 cast flushes the subnormal code 0.5 * 2^-126
-        w = (codes.to(tl.uint32) << 16).to(tl.float32, bitcast=True) * (e1 << 23).to(tl.float32, bitcast=True)
-        if not NARROW_SCALES:
-            w *= (e2 << 23).to(tl.float32, bitcast=True)
-        return w
-    w = _mul_bf16x2(codes.to(tl.bfloat16, bitcast=True), (e1 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+        w = codes.to(tl.bfloat16, bitcast=True)
+    # times 2^(s - 1), exactly: one product where every s <= 128 (bf16's range holds 2^(s - 1)), else two
+    w = _times_pow2(w, (s if NARROW_SCALES else tl.minimum(s, 128)) + 126, BLOCK_N, BLOCK_K, INTERPRETED)
     if not NARROW_SCALES:
-        w = _mul_bf16x2(w, (e2 << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+        w = _times_pow2(w, tl.maximum(s, 128) - 1, BLOCK_N, BLOCK_K, INTERPRETED)
     return w
+
+
+@triton.jit
+def _times_pow2(w, biased_exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``w [BN, BK]`` times ``2^(biased_exponent - 127)``, one exponent ``[BN, BK/32]`` per 32 of K
+    (the K order permutes within 8s): exact, in fp32 under the interpreter, else in bf16 pairs."""
+    e = tl.reshape(tl.broadcast_to(biased_exponent[:, :, None], [BLOCK_N, BLOCK_K // 32, 32]), [BLOCK_N, BLOCK_K])
+    if INTERPRETED:
+        return w * (e << 23).to(tl.float32, bitcast=True)
+    return _mul_bf16x2(w, (e << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True))
 
 
 @triton.jit
