@@ -184,13 +184,17 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         from csrc_triton.moe_mxfp4 import _config, moe_experts_mxfp4
 
         marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
-        # other tiles of our kernel at decode sizes, named nBLOCK_N kBLOCK_K wWARPS sSTAGES
+        # other tiles of our kernel, named mBLOCK_M nBLOCK_N kBLOCK_K wWARPS sSTAGES: at decode sizes
+        # wider or 2-warp tiles (fewer instructions per weight, fewer programs); for batches 8 warps
+        # (W13's 4-warp batch tile needs 203 registers: 2 programs per SM) and 128-row blocks
         chosen = _config(ids.numel(), w13.shape[0], x.dtype)
-        sweep = [dict(chosen, BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, w, st in
-                 ((64, 128, 4, 4), (32, 128, 2, 4), (64, 128, 2, 4), (32, 256, 4, 3), (32, 128, 8, 5))]
-        tiled = {f"n{c['BLOCK_N']}k{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}":
+        shapes = (((16, 64, 128, 4, 4), (16, 32, 128, 2, 4), (16, 64, 128, 2, 4), (16, 32, 256, 4, 3),
+                   (16, 32, 128, 8, 5)) if chosen["BLOCK_M"] == 16 else
+                  ((64, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)))
+        sweep = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for m, n, kk, w, st in shapes]
+        tiled = {f"m{c['BLOCK_M']}n{c['BLOCK_N']}k{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}":
                  (lambda c=c: moe_experts_mxfp4(x, weights, ids, w13, w13_scale, w2, w2_scale, limit, narrow, config=c))
-                 for c in sweep if chosen["BLOCK_M"] == 16 and c != chosen}
+                 for c in sweep if c != chosen}
         return {"marlin": lambda: marlin(x, weights, ids)} | tiled
     return {}
 
