@@ -117,8 +117,9 @@ def test_moe_experts_mxfp4_scales_across_the_e8m0_range():
 
 
 @pytest.mark.parametrize("config", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
-                                    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)],
-                         ids=["narrow", "wide"])
+                                    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+                                    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)],
+                         ids=["narrow", "wide", "rows128"])
 def test_moe_mxfp4_other_tiles_match_ref(config):
     """The tile shapes scripts/bench_kernels.py times against the default ones compute the same."""
     args = moe_mxfp4_args(5, 64, 64, 4, 2, torch.bfloat16)
