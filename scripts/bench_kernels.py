@@ -186,7 +186,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
         # other tiles of our kernel, named mBLOCK_M nBLOCK_N kBLOCK_K wWARPS sSTAGES: at decode sizes
         # wider or 2-warp tiles (fewer instructions per weight, fewer programs); for batches 8 warps
-        # (W13's 4-warp batch tile needs 203 registers: 2 programs per SM) and 128-row blocks
+        # (W13's 4-warp batch tile needs 167 registers with triton 3.6, 203 with 3.9) and 128-row blocks
         chosen = _config(ids.numel(), w13.shape[0], x.dtype)
         shapes = (((16, 64, 128, 4, 4), (16, 32, 128, 2, 4), (16, 64, 128, 2, 4), (16, 32, 256, 4, 3),
                    (16, 32, 128, 8, 5)) if chosen["BLOCK_M"] == 16 else
