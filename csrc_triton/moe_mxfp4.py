@@ -221,7 +221,8 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     one per hit expert, so each weight byte is read once; 32-column tiles give the W13 pass at T = 1
     (6 experts, I = 2048) 384 programs and the W2 pass 768; 4 stages keep 12 KB of weight bytes in
     flight per W13 program. Larger batches: 64 x 64 tiles reuse a decoded tile over 64 rows. Registers
-    from compiling for sm_90a without a GPU (triton 3.9, bf16): 96 / 64 (decode), 201 / 96 (batch).
+    (W13 / W2) from compiling for sm_90a without a GPU (scripts/sass_loops.py, bf16, narrow scales):
+    96 / 64 (decode), 167 / 78 (batch) with the device's triton 3.6; 3.9 takes 203 for W13's batch tile.
     The decode case is likely bound by the decode's arithmetic rather than HBM (not yet measured on
     a GPU). fp32 (a test path) halves the K step."""
     if num_pairs <= 16 * num_experts:
