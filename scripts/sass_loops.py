@@ -7,6 +7,8 @@ Each case's launch is captured and compiled for sm_90 as that test does, then di
 nvdisasm Triton ships. A loop is the body of a backward branch; its instruction count divided by the
 work one iteration does (weight elements per thread, say) is the figure to compare between versions
 of an arithmetic-bound kernel. A benchmark, not a test: the GPU's timings are the final word.
+The device's compiler (vLLM 0.26 ships with triton 3.6) can differ from this venv's: install it beside
+(``pip install --no-deps --target DIR triton==3.6.0``) and put DIR first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
