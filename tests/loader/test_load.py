@@ -78,6 +78,18 @@ def test_missing_scale_is_named(quantized):
         load_official_weights(cfg, stream(ckpt, skip={"layers.0.attn.wkv.scale"}), empty_params(cfg, ckpt))
 
 
+@pytest.mark.parametrize("name", ["layers.2.ffn.experts.5.w3.scale", "layers.1.attn.wq_b.scale"])
+def test_nan_block_scales_are_named(quantized, name):
+    """An e8m0 scale byte 255 is NaN: the load fails naming the tensor and how many of its scales
+    are NaN (MXFP4 expert and FP8 linear scales alike), instead of NaN weights."""
+    cfg, ckpt = quantized
+    scale = ckpt.get(name).clone()
+    scale.view(torch.uint8).view(-1)[[0, scale.numel() - 1]] = 255  # two blocks
+    problem = rf"{name.replace('.', '[.]')}: 2 of {scale.numel()} block scales are NaN"
+    with pytest.raises(CheckpointError, match=problem):
+        load_official_weights(cfg, stream(ckpt, replace={name: scale}), empty_params(cfg, ckpt))
+
+
 def test_wrong_shape_is_named_with_expectation(quantized):
     cfg, ckpt = quantized
     bad = {"layers.3.attn.attn_sink": torch.zeros(cfg.num_attention_heads + 1)}

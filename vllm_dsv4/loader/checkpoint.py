@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -397,10 +397,21 @@ def _problems(cfg: Dsv4Config, found: dict[str, TensorSpec]) -> list[str]:
     return problems
 
 
-def validate(cfg: Dsv4Config, ckpt: Checkpoint | dict[str, TensorSpec]) -> None:
-    """Raise CheckpointError listing (up to 10) missing / extra / mis-shaped / mis-typed tensors."""
+def nan_scales(name: str, scale: torch.Tensor) -> str | None:
+    """The problem with a block-scale tensor holding NaN (e8m0 byte 255; a non-finite float32 scale):
+    every weight of such a block would be NaN."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        bad = int((scale.view(torch.uint8) == 255).sum())
+    else:
+        bad = int((~torch.isfinite(scale)).sum())
+    return f"{name}: {bad} of {scale.numel()} block scales are NaN" if bad else None
+
+
+def validate(cfg: Dsv4Config, ckpt: Checkpoint | dict[str, TensorSpec], value_problems: Sequence[str] = ()) -> None:
+    """Raise CheckpointError listing (up to 10) missing / extra / mis-shaped / mis-typed tensors, and
+    ``value_problems`` found while reading them (``nan_scales``)."""
     found = ckpt.specs() if isinstance(ckpt, Checkpoint) else dict(ckpt)
-    problems = _problems(cfg, found)
+    problems = _problems(cfg, found) + list(value_problems)
     if not problems:
         return
     shown = problems[:MAX_REPORTED_PROBLEMS]

@@ -11,7 +11,9 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.loader.checkpoint import FP8_BLOCK, CheckpointError, TensorSpec, expected_tensors, scale_name, validate
+from vllm_dsv4.loader.checkpoint import (
+    FP8_BLOCK, CheckpointError, TensorSpec, expected_tensors, nan_scales, scale_name, validate,
+)
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4, e8m0_to_float32
 from vllm_dsv4.loader.names import Target, param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
@@ -93,18 +95,24 @@ def load_official_weights(
     """Stream official (name, tensor) pairs into ``params``; returns the parameter names filled.
 
     A tensor that does not match the official table (loader/checkpoint.py) is not placed; once the
-    stream ends, ``validate`` raises one CheckpointError naming every such tensor, and every missing
-    one. FP8 / MXFP4 weights are held until their ``.scale`` arrives (either order). ``mtp.*`` are
-    checked but left to the MTP draft model. A merged linear (names.MERGED) and a stack of experts get
-    each member's rows. Under tensor parallelism each rank keeps its slice.
+    stream ends, ``validate`` raises one CheckpointError naming every such tensor, every missing
+    one, and every block-scale tensor holding NaN. FP8 / MXFP4 weights are held until their
+    ``.scale`` arrives (either order). ``mtp.*`` are checked but left to the MTP draft model. A
+    merged linear (names.MERGED) and a stack of experts get each member's rows. Under tensor
+    parallelism each rank keeps its slice.
     """
     expected = expected_tensors(cfg)
     found: dict[str, TensorSpec] = {}
     held: dict[str, torch.Tensor] = {}  # a quantised weight or its scale, waiting for the other
     loaded: set[str] = set()
+    value_problems: list[str] = []
     for name, tensor in weights:
         found[name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
-        if expected.get(name) != found[name] or name.startswith("mtp."):
+        if expected.get(name) != found[name]:
+            continue
+        if name.endswith(".scale") and (problem := nan_scales(name, tensor)):
+            value_problems.append(problem)
+        if name.startswith("mtp."):
             continue
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"
@@ -119,5 +127,5 @@ def load_official_weights(
             continue
         weight, scale = (tensor, held.pop(partner)) if name == weight_name else (held.pop(partner), tensor)
         loaded |= _place_quantized(weight_name, weight, scale, params, shard, cfg.n_routed_experts, expected)
-    validate(cfg, found)
+    validate(cfg, found, value_problems)
     return loaded - {None}
