@@ -26,7 +26,8 @@ most ``20 num_visible`` read by the selection + ``8 topk`` of indices.
 
 :func:`indexer_topk_paged` runs the same kernel over a batch of decodes with ``PAGED`` (each query
 finds its keys through its request's block-table row) and, for FP8 caches, ``FP8`` (the
-``di + 4``-byte entries decoded in registers with :mod:`kv_cache`'s codec): there is no gathered
+``di + 4``-byte entries decoded in registers: e4m3 by the GPU's conversion on sm_89+, which halves the
+kernel's sm_90 SASS, else by :mod:`kv_cache`'s integer codec; the same values): there is no gathered
 ``[B, N, di]`` copy, which moves each FP8 key in, its bf16 decode out and back in again. Its shapes
 depend on ``max_entries`` only and nothing waits on the host, so it can be captured in a CUDA graph.
 Bytes per query: ``H * di`` of q + ``num_visible * (di + 4)`` of FP8 keys (``2 di`` each raw bf16;
@@ -34,6 +35,8 @@ its own request's, not shared) + a block-table entry per ``E`` keys + ``8 N`` of
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -52,7 +55,7 @@ PREFILL_QUERIES = 512
 
 @triton.jit
 def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_bt0, s_bt1,
-              PAGED: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr):
+              PAGED: tl.constexpr, FP8: tl.constexpr, HW_E4M3: tl.constexpr, DTYPE: tl.constexpr):
     """``[BN, BDI]`` keys ``n`` of query ``t`` (request ``r`` when PAGED) in DTYPE, 0 where not ``vis``."""
     if PAGED:  # entry n of request r is view[block_table[r, n // E], n % E]
         blk = tl.load(bt_ptr + r * s_bt0 + (n // E) * s_bt1, mask=vis, other=0).to(tl.int64)  # [BN]
@@ -63,8 +66,13 @@ def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_b
     if FP8:  # [di e4m3 | fp32 scale, little-endian] (kv_pack_ref.pack_index), decoded as kv_cache does
         code = tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0)  # [BN, BDI] uint8
         scale = _index_scale(row[:, None], di, vis[:, None], s_kd)  # [BN]
-        # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range)
-        return (_e4m3_decode(code) * scale[:, None]).to(DTYPE)  # [BN, BDI]
+        # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range); the hardware's
+        # conversion (sm_89+, two codes an instruction) gives the integer decode's values
+        if HW_E4M3:  # (a statement, not an expression: sm_80 must never compile the fp8 type)
+            value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            value = _e4m3_decode(code)
+        return (value * scale[:, None]).to(DTYPE)  # [BN, BDI]
     return tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0.0).to(DTYPE)  # [BN, BDI]
 
 
@@ -73,7 +81,7 @@ def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, nv_ptr, bt_ptr, req_ptr, score_ptr,
     Tq, H, N, di, E,
     s_qt, s_qh, s_qd, s_wt, s_wh, s_k0, s_kn, s_kd, s_r, s_bt0, s_bt1, s_st, s_sn,
-    PAGED: tl.constexpr, FP8: tl.constexpr, TOKENS: tl.constexpr,
+    PAGED: tl.constexpr, FP8: tl.constexpr, HW_E4M3: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DI: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -93,7 +101,7 @@ def _indexer_scores_kernel(
     if tl.program_id(1) * BLOCK_N < nv_max:
         r0 = tl.maximum(tl.load(req_ptr + t0 * s_r).to(tl.int64), 0) if PAGED else 0  # a padding row: 0's
         k0 = _key_tile(k_ptr, bt_ptr, r0, t0, n, (n < nv_max) & (n < N), c, c_ok, di, E, s_k0, s_kn, s_kd,
-                       s_bt0, s_bt1, PAGED, FP8, DTYPE)
+                       s_bt0, s_bt1, PAGED, FP8, HW_E4M3, DTYPE)
         for i in range(0, TOKENS):
             t = t0 + i
             if t < Tq:
@@ -103,7 +111,7 @@ def _indexer_scores_kernel(
                 r = tl.load(req_ptr + t * s_r).to(tl.int64) if PAGED else 0
                 if PAGED and r != r0:
                     k = _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_bt0, s_bt1,
-                                  PAGED, FP8, DTYPE)
+                                  PAGED, FP8, HW_E4M3, DTYPE)
                 q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + c[None, :] * s_qd,
                             mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(DTYPE)  # [BH, BDI]
                 logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BN, BH] fp32
@@ -119,6 +127,16 @@ def _indexer_scores_kernel(
 
 # See sparse_attn.py: the interpreter needs fp32 dot operands (its bf16 matmul is wrong in triton 3.9).
 _INTERPRETED = not isinstance(_indexer_scores_kernel, JITFunction)
+
+
+@functools.cache
+def _hardware_e4m3(device: torch.device) -> bool:
+    """Whether FP8 keys decode with the GPU's e4m3 conversion (sm_89+) rather than integer arithmetic
+    (the interpreter, older GPUs). Asked at launch, in a process that runs kernels on ``device``; a
+    launch captured off the GPU (the Hopper compile test) takes the hardware path."""
+    if _INTERPRETED:
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_strides: tuple, N: int,
@@ -150,7 +168,8 @@ def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_s
         q, weights, keys, num_visible, block_table, req, scores,
         Tq, H, N, di, entries_per_block,
         *q.stride(), *weights.stride(), *key_strides, req.stride(0), *block_table.stride(), *scores.stride(),
-        PAGED=paged, FP8=fp8_keys, TOKENS=tokens, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DI=block_di,
+        PAGED=paged, FP8=fp8_keys, HW_E4M3=fp8_keys and _hardware_e4m3(q.device), TOKENS=tokens,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DI=block_di,
         DOT_F32=_INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_h * block_n <= 8192 else 8,
     )

@@ -133,6 +133,17 @@ def test_moe_decode_scales_code_pairs_in_bf16(kernel, T):
     assert "cvt.f32.bf16" not in ptx and "cvt.f32.f16" not in ptx
 
 
+def test_paged_indexer_decodes_fp8_keys_with_the_hardware_conversion():
+    """On Hopper the indexer's FP8 keys go through the e4m3 conversion instruction (two codes each),
+    not the integer decode that the interpreter and pre-sm_89 GPUs use (half the kernel's SASS)."""
+    args = indexer_paged_args([8192, 4096, 513, 0], [0, 1, 2, -1], 3, 8192, 64, 128, 512, 64, V4_INDEX,
+                              torch.bfloat16, device="cpu")
+    (launch,) = captured_launches(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk_paged, *args)
+    assert launch[1]["HW_E4M3"]
+    ptx = compile_for_hopper(indexer_topk._indexer_scores_kernel, *launch).asm["ptx"]
+    assert "e4m3x2" in ptx  # cvt.rn.f16x2.e4m3x2
+
+
 # (kernel, its launcher, the launcher's arguments); shapes from the kernel tests' V4-Flash cases
 KERNEL_CASES = [
     pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,
