@@ -36,15 +36,13 @@ its own request's, not shared) + a block-table entry per ``E`` keys + ``8 N`` of
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _e4m3_decode, _index_scale, _mode
+from csrc_triton.kv_cache import _e4m3_decode, _index_scale, _mode, hardware_e4m3
 
 # Elements of the fp32 [tokens, entries] score block materialised per chunk (128 MiB), as the reference.
 _CHUNK_ELEMS = 1 << 25
@@ -66,13 +64,8 @@ def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_b
     if FP8:  # [di e4m3 | fp32 scale, little-endian] (kv_pack_ref.pack_index), decoded as kv_cache does
         code = tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0)  # [BN, BDI] uint8
         scale = _index_scale(row[:, None], di, vis[:, None], s_kd)  # [BN]
-        # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range); the hardware's
-        # conversion (sm_89+, two codes an instruction) gives the integer decode's values
-        if HW_E4M3:  # (a statement, not an expression: sm_80 must never compile the fp8 type)
-            value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            value = _e4m3_decode(code)
-        return (value * scale[:, None]).to(DTYPE)  # [BN, BDI]
+        # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range)
+        return (_e4m3_decode(code, HW_E4M3) * scale[:, None]).to(DTYPE)  # [BN, BDI]
     return tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0.0).to(DTYPE)  # [BN, BDI]
 
 
@@ -129,16 +122,6 @@ def _indexer_scores_kernel(
 _INTERPRETED = not isinstance(_indexer_scores_kernel, JITFunction)
 
 
-@functools.cache
-def _hardware_e4m3(device: torch.device) -> bool:
-    """Whether FP8 keys decode with the GPU's e4m3 conversion (sm_89+) rather than integer arithmetic
-    (the interpreter, older GPUs). Asked at launch, in a process that runs kernels on ``device``; a
-    launch captured off the GPU (the Hopper compile test) takes the hardware path."""
-    if _INTERPRETED:
-        return False
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_strides: tuple, N: int,
             fp8_keys: bool = False, block_table: Tensor | None = None, req: Tensor | None = None,
             entries_per_block: int = 1) -> Tensor:
@@ -168,7 +151,7 @@ def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_s
         q, weights, keys, num_visible, block_table, req, scores,
         Tq, H, N, di, entries_per_block,
         *q.stride(), *weights.stride(), *key_strides, req.stride(0), *block_table.stride(), *scores.stride(),
-        PAGED=paged, FP8=fp8_keys, HW_E4M3=fp8_keys and _hardware_e4m3(q.device), TOKENS=tokens,
+        PAGED=paged, FP8=fp8_keys, HW_E4M3=fp8_keys and hardware_e4m3(q.device), TOKENS=tokens,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DI=block_di,
         DOT_F32=_INTERPRETED, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_h * block_n <= 8192 else 8,

@@ -101,7 +101,7 @@ def _rope_out_proj_kernel(
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + kw[None, :] * s_wk)  # [BN, BK] e4m3, K contiguous
         w_scale = tl.load(ws_ptr + (n // BLOCK_K) * s_sn + (k0 // BLOCK_K) * s_sk)  # [BN]
         if DOT_F32:  # the interpreter, whose fp8 casts round wrongly: e4m3 by hand, exact fp32 products
-            part = tl.dot(_e4m3_decode(_e4m3_encode(v)), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            part = tl.dot(_e4m3_decode(_e4m3_encode(v), False), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # round to nearest even, as torch's cast
             part = tl.dot(v.to(tl.float8e4nv), tl.trans(w))
         acc += part * scale[:, None] * w_scale[None, :]

@@ -90,7 +90,7 @@ def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope
         if KIND == "fp8":  # e4m3 x 2^k and bf16: exact in q's dtype, so products equal the gathered path's
             data, scales = _main_parts(block, e % E, E, nope + 2 * rope, s_kv1)  # entry bytes contiguous: C = s_kv1
             kv = _main_values(data[:, None], scales[:, None], dd[None, :], ok[:, None], nope, rope,
-                              _NOPE_BLOCK).to(q.dtype)
+                              _NOPE_BLOCK, False).to(q.dtype)
         else:
             kv = tl.load(row[:, None] + dd[None, :] * s_kvd, mask=ok[:, None] & d_ok[None, :], other=0.0)
         kv_in = kv  # [BK, BD]
