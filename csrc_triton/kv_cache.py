@@ -292,10 +292,11 @@ def _mode(view: Tensor, fp8) -> tuple[str, int, int, int]:
 
 @functools.cache
 def hardware_e4m3(device: torch.device) -> bool:
-    """Whether kernels on ``device`` decode e4m3 with the GPU's conversion (sm_89+) rather than integer
-    arithmetic (the interpreter; older GPUs, which have no FP8 type): the same exact values. Asked at
-    launch, so importing this module touches no GPU; a launch captured off the GPU (the Hopper compile
-    test) takes the hardware path."""
+    """Whether kernels on ``device`` convert e4m3 with the GPU's instructions (sm_89+) rather than by
+    integer arithmetic (the interpreter, whose casts round wrongly; older GPUs, which have no FP8 type):
+    decoding gives the same exact values either way, encoding the same round-to-nearest-even codes
+    (out_proj.rope_quant_fp8). Asked at launch, so importing this module touches no GPU; a launch
+    captured off the GPU (the Hopper compile test) takes the hardware path."""
     if not isinstance(_read_kernel, JITFunction):  # the interpreter
         return False
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)

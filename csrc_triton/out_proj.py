@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _bf16_bits, _e4m3_decode, _e4m3_encode
+from csrc_triton.kv_cache import _bf16_bits, _e4m3_decode, _e4m3_encode, hardware_e4m3
 
 FP8_MAX = tl.constexpr(448.0)
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # fp8_linear_ref's scale factor
@@ -116,7 +116,7 @@ def _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k, T_scales, s_qg, s_q
     scales (the scales' padding rows get 0: what the GEMM reads there multiplies nothing it stores)."""
     if HW_CAST:  # round to nearest even with saturation: torch's cast of the clamped values
         codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:  # the interpreter's cast rounds wrongly: e4m3 by hand
+    else:  # e4m3 by hand: the interpreter's cast rounds wrongly, pre-sm_89 GPUs have none
         codes = _e4m3_encode(v).to(tl.uint8)
     tl.store(q_ptr + g * s_qg + m[:, None].to(tl.int64) * s_qt + (k + tl.arange(0, BLOCK_K))[None, :], codes,
              mask=m_ok[:, None])
@@ -220,7 +220,7 @@ def rope_quant_fp8(o: Tensor, positions: Tensor, inv_freq: Tensor, groups: int) 
             o, *_tail_cos_sin(positions, inv_freq, o.device), q, scale,
             T, T_scales, H // groups, d, d - 2 * half_r, half_r,
             *o.stride(), *q.stride()[:2], *scale.stride(),
-            ROUND_BF16=o.dtype == torch.bfloat16, HW_CAST=not _INTERPRETED, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
+            ROUND_BF16=o.dtype == torch.bfloat16, HW_CAST=hardware_e4m3(o.device), BLOCK_M=block_m, BLOCK_K=BLOCK_K,
             enable_fp_fusion=False,  # the rotation rounds each product as the reference does
         )
     return q.view(torch.float8_e4m3fn).transpose(0, 1), scale[:, :T].transpose(0, 1)
