@@ -163,11 +163,13 @@ def fits(o: Tensor, weight: Tensor, groups: int, rope_dim: int) -> bool:
 
 def default_tiles(T: int) -> dict:
     """The launch's tile sizes for ``T`` tokens (scripts/bench_kernels.py times others against them)."""
-    if T <= 64:  # decode: narrow tiles, more programs streaming the weight, deep load pipeline, and split K:
-        # V4-Flash's 128 output tiles alone give an H200's 132 SMs one 4-warp program each, 32 dependent K
-        # blocks long (75 us per call in the 2026-12-04 profile for 33.5 MB); four shares make 512 programs
-        # of 8 blocks (not yet timed: scripts/bench_kernels.py sweeps 1, 2, 4 and 8)
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=64, num_warps=4, num_stages=4, SPLIT_K=4)
+    if T <= 64:  # decode: split K into four shares so more programs stream the weight (V4-Flash's output
+        # tiles alone give each of an H200's 132 SMs one program, 32 dependent K blocks long). Up to 16 tokens
+        # (one row block) 128-wide 8-warp tiles: 36 us at T = 1 against 89 for 64-wide 4-warp ones (graph-timed,
+        # scripts/bench_kernels.py, 2026-12-04e); wider row blocks keep the 64-wide tile until timed
+        wide = T <= 16
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=128 if wide else 64,
+                    num_warps=8 if wide else 4, num_stages=4, SPLIT_K=4)
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 

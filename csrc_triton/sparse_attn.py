@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _main_parts, _main_values, _mode
+from csrc_triton.kv_cache import _main_parts, _main_values, _mode, hardware_e4m3
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
 from csrc_triton.sparse_attn_ref import CacheSource
 
@@ -54,7 +54,7 @@ def _slot_span(idx_ptr, t, K, s_i0, s_i1, BLOCK_K: tl.constexpr):
 def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope, scale,
             s_kv0, s_kv1, s_kvd, s_bt0, s_bt1, s_i0, s_i1,
             KIND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, HW_E4M3: tl.constexpr):
     """Fold the first K key slots of one source into query t's running softmax (m_i, l_i [BH],
     acc [BH, BD]).
 
@@ -64,7 +64,8 @@ def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope
     only the key blocks of :func:`_slot_span`: the blocks outside it are neither loaded nor computed (a
     C128 decode's fixed-width slot list is mostly empty past the visible entries; window lists are
     empty before position 0, C4 top-k lists after the picks). A bound rather than a per-block branch
-    keeps the loop software-pipelined.
+    keeps the loop software-pipelined. ``HW_E4M3``: FP8 codes decoded by the GPU's conversion
+    (``kv_cache.hardware_e4m3``).
     """
     dd = tl.arange(0, BLOCK_D)  # [BD]
     d_ok = dd < d
@@ -90,7 +91,7 @@ def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope
         if KIND == "fp8":  # e4m3 x 2^k and bf16: exact in q's dtype, so products equal the gathered path's
             data, scales = _main_parts(block, e % E, E, nope + 2 * rope, s_kv1)  # entry bytes contiguous: C = s_kv1
             kv = _main_values(data[:, None], scales[:, None], dd[None, :], ok[:, None], nope, rope,
-                              _NOPE_BLOCK, False).to(q.dtype)
+                              _NOPE_BLOCK, HW_E4M3).to(q.dtype)
         else:
             kv = tl.load(row[:, None] + dd[None, :] * s_kvd, mask=ok[:, None] & d_ok[None, :], other=0.0)
         kv_in = kv  # [BK, BD]
@@ -120,7 +121,7 @@ def _sparse_attn_kernel(
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_r,
     WINDOW: tl.constexpr, MAIN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HW_E4M3: tl.constexpr,
 ):
     """Query t, heads block: the window source's slots then the main source's (``MAIN`` "none": absent)."""
     t = tl.program_id(0).to(tl.int64)
@@ -142,11 +143,11 @@ def _sparse_attn_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp(l - m_i) k
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, r, w_ptr, w_bt_ptr, w_idx_ptr, Kw, Ew, d, w_nope, w_rope,
                             scale, s_w0, s_w1, s_w2, s_wbt0, s_wbt1, s_wi0, s_wi1,
-                            WINDOW, BLOCK_K, BLOCK_D, DOT_F32, PRECISION)
+                            WINDOW, BLOCK_K, BLOCK_D, DOT_F32, PRECISION, HW_E4M3)
     if MAIN != "none":
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, t, r, m_ptr, m_bt_ptr, m_idx_ptr, Km, Em, d, m_nope, m_rope,
                                 scale, s_m0, s_m1, s_m2, s_mbt0, s_mbt1, s_mi0, s_mi1,
-                                MAIN, BLOCK_K, BLOCK_D, DOT_F32, PRECISION)
+                                MAIN, BLOCK_K, BLOCK_D, DOT_F32, PRECISION, HW_E4M3)
 
     sink = tl.load(sink_ptr + h, mask=h_ok, other=float("-inf"))  # [BH]
     m = tl.maximum(m_i, sink)
@@ -214,7 +215,7 @@ def _launch(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: tuple[st
     _sparse_attn_kernel[grid](
         q, sink, out, req, *window[1], *main[1], H, d, float(scale),
         *q.stride(), *out.stride(), req.stride(0),
-        WINDOW=window[0], MAIN=main[0], DOT_F32=_INTERPRETED,
+        WINDOW=window[0], MAIN=main[0], DOT_F32=_INTERPRETED, HW_E4M3=hardware_e4m3(q.device),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
     )
     return out

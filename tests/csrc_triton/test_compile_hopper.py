@@ -133,14 +133,21 @@ def test_moe_decode_scales_code_pairs_in_bf16(kernel, T):
     assert "cvt.f32.bf16" not in ptx and "cvt.f32.f16" not in ptx
 
 
-def test_paged_indexer_decodes_fp8_keys_with_the_hardware_conversion():
-    """On Hopper the indexer's FP8 keys go through the e4m3 conversion instruction (two codes each),
-    not the integer decode that the interpreter and pre-sm_89 GPUs use (half the kernel's SASS)."""
-    args = indexer_paged_args([8192, 4096, 513, 0], [0, 1, 2, -1], 3, 8192, 64, 128, 512, 64, V4_INDEX,
-                              torch.bfloat16, device="cpu")
-    (launch,) = captured_launches(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk_paged, *args)
+@pytest.mark.parametrize("kernel, launcher, make_args", [
+    pytest.param(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk_paged,
+                 lambda: indexer_paged_args([8192, 4096, 513, 0], [0, 1, 2, -1], 3, 8192, 64, 128, 512, 64, V4_INDEX,
+                                            torch.bfloat16, device="cpu"), id="indexer-paged"),
+    pytest.param(sparse_attn._sparse_attn_kernel, sparse_attn.sparse_attn_cached,
+                 lambda: sparse_attn_cached_args(32, 64, 512, 128, 512, V4_MAIN, torch.bfloat16, E=(64, 64),
+                                                 entries=(4096, 4096), device="cpu"), id="sparse-attn-cached-fp8"),
+])
+def test_fp8_cache_reads_use_the_hardware_conversion(kernel, launcher, make_args):
+    """On Hopper FP8 keys read from the caches go through the e4m3 conversion instruction (two codes
+    each), not the integer decode that the interpreter and pre-sm_89 GPUs use (the indexer's SASS
+    halved with it)."""
+    (launch,) = captured_launches(kernel, launcher, *make_args())
     assert launch[1]["HW_E4M3"]
-    ptx = compile_for_hopper(indexer_topk._indexer_scores_kernel, *launch).asm["ptx"]
+    ptx = compile_for_hopper(kernel, *launch).asm["ptx"]
     assert "e4m3x2" in ptx  # cvt.rn.f16x2.e4m3x2
 
 

@@ -152,6 +152,8 @@ def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
     """A whole MoE layer of the ktiny e2e checkpoint (router, routed experts on ``backend``, FP8 shared
     expert), loaded as the model loads it: what tests/e2e/test_gpu_path.py's CUDA-graph comparison runs
     per layer, without the engine around it."""
+    from vllm.config import set_current_vllm_config
+
     from tests.loader.test_load import empty_params, stream
     from vllm_dsv4 import ops
     from vllm_dsv4.config import Dsv4Config
@@ -175,9 +177,10 @@ def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
     load_official_weights(cfg, stream(ckpt), params)
     moe.to("cuda")
     monkeypatch.setattr(ops, "MOE_BACKEND", backend)
-    for module in moe.modules():
-        if isinstance(module, (Linear, Experts)):
-            module.finish_loading()
+    with set_current_vllm_config(kc.vllm_config_for(ktiny_ckpt)):  # vLLM's FP8 kernel choice reads it
+        for module in moe.modules():
+            if isinstance(module, (Linear, Experts)):
+                module.finish_loading()
     assert (moe.experts.marlin is not None) == (backend == "marlin")
 
     def inputs_for(seed: int) -> tuple:
