@@ -33,6 +33,14 @@ mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
+# the engine finds the plugin through its installed entry point: fail now, not after an engine start
+python - <<'PY' || exit 1
+import importlib.metadata as md
+import sys
+if not any(e.value.startswith("vllm_dsv4") for e in md.entry_points(group="vllm.general_plugins")):
+    sys.exit(f"vllm_dsv4's entry point is not installed for {sys.executable}: "
+             "run `python -m pip install --no-deps --no-build-isolation -e .` with this python")
+PY
 summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
