@@ -13,6 +13,7 @@
 #   scripts/gpu_check.sh graph-checks  # eager vs eager, and eager on garbage-filled pages with NaN-filled
 #                                      # allocations (three engine runs): tell run-to-run variation and
 #                                      # reads of unwritten memory from replay errors when `graphs` fails
+#   scripts/gpu_check.sh mtp           # MTP speculative decoding (k = 1, 2) vs transformers: draft log-probs, greedy outputs
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
@@ -73,6 +74,9 @@ case "${1:-unit}" in
   graph-checks)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k "reproducible or unwritten" > "$LOG_DIR/graph_checks.log" 2>&1; summary "$LOG_DIR/graph_checks.log" ;;
+  mtp)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_mtp.py \
+      > "$LOG_DIR/mtp.log" 2>&1; summary "$LOG_DIR/mtp.log" ;;
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;

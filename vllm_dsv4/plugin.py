@@ -8,7 +8,10 @@ from __future__ import annotations
 
 _registered = False
 
-MODEL_CLASSES = {"DeepseekV4ForCausalLM": "vllm_dsv4.model.decoder:DeepseekV4ForCausalLM"}
+MODEL_CLASSES = {
+    "DeepseekV4ForCausalLM": "vllm_dsv4.model.decoder:DeepseekV4ForCausalLM",
+    "DeepSeekV4MTPModel": "vllm_dsv4.model.mtp:DeepseekV4MTP",  # the name vLLM's "mtp" method asks for
+}
 
 
 def register() -> None:

@@ -4,7 +4,7 @@ Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the eng
 batches of prompts (token ids); each batch is one ``generate`` call, optionally on its prompts
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
-(integers with their largest value). Every engine gets its own
+(integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model scored. Every engine gets its own
 process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
@@ -60,6 +60,34 @@ def count_dummy_batches() -> list:
     return calls
 
 
+def record_draft_logprobs() -> list:
+    """Records what the MTP draft model scores: per row given to ``compute_logits``, (position, the
+    token its input embedded, fp64 log-probs), the row found among the streams the last ``forward``
+    returned (the proposer passes a gather of them; rows that match no or several are left out)."""
+    from vllm_dsv4.model.mtp import DeepseekV4MTP
+
+    rows, last = [], {}
+    forward, compute_logits = DeepseekV4MTP.forward, DeepseekV4MTP.compute_logits
+
+    def recorded_forward(self, input_ids, positions, hidden_states, *args, **kwargs):
+        out = forward(self, input_ids, positions, hidden_states, *args, **kwargs)
+        last.update(out=out, positions=positions.tolist(), input_ids=input_ids.tolist())
+        return out
+
+    def recorded_logits(self, hidden_states, *args, **kwargs):
+        logits = compute_logits(self, hidden_states, *args, **kwargs)
+        same = (hidden_states[:, None, :] == last["out"][None, :, :]).all(-1)  # [rows, forward's rows]
+        for row, matches in enumerate(same):
+            (index,) = matches.nonzero()[:, 0].tolist() or [None]
+            if index is not None and matches.sum() == 1:
+                rows.append((last["positions"][index], last["input_ids"][index],
+                             torch.log_softmax(logits[row].double(), -1).cpu()))
+        return logits
+
+    DeepseekV4MTP.forward, DeepseekV4MTP.compute_logits = recorded_forward, recorded_logits
+    return rows
+
+
 def generate_with_preemptions(llm, prompts, params, steps: set[int]) -> list:
     """Steps the engine by hand; after each step in ``steps`` every running request but the oldest
     is preempted through the scheduler's own method (its blocks freed, its tokens recomputed later).
@@ -110,6 +138,11 @@ def fill_uninitialized_memory(worker) -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def spec_decode_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens), by metric name."""
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -122,6 +155,7 @@ def main(job_path: str, out_path: str) -> None:
     assert entry.module_name.startswith("vllm_dsv4"), f"plugin not loaded: {entry}"
     job = json.load(open(job_path))
     preemptions, dummy_batches = count_preemptions(), count_dummy_batches()
+    draft_rows = record_draft_logprobs() if job.get("record_draft_logprobs") else []
     engine_args = {"enforce_eager": True, **job["engine"]}  # CUDA graphs only where a job asks for them
     llm = LLM(model=job["model"], skip_tokenizer_init=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **engine_args)
@@ -164,7 +198,8 @@ def main(job_path: str, out_path: str) -> None:
             results.append(r)
         batches.append(results)
     torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches),
-                "poisoned_caches": poisoned, "filled_uninitialized_memory": filling}, out_path)
+                "poisoned_caches": poisoned, "filled_uninitialized_memory": filling, "draft_rows": draft_rows,
+                "spec_decode": spec_decode_counters(llm) if "speculative_config" in job["engine"] else {}}, out_path)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.loader.names import param_target
 
 
-def empty_params(cfg: Dsv4Config, ckpt: Checkpoint) -> dict[str, torch.nn.Parameter]:
-    """A parameter dict shaped like the model's, built from the names alone (no vLLM needed): a merged
-    linear's rows are its members' rows."""
+def empty_params(cfg: Dsv4Config, ckpt: Checkpoint, mtp: bool = False) -> dict[str, torch.nn.Parameter]:
+    """A parameter dict shaped like the model's (``mtp``: the MTP draft model's), built from the names
+    alone (no vLLM needed): a merged linear's rows are its members' rows."""
     shapes: dict[str, tuple[int, int]] = {}
     for name in ckpt.names():
-        if name.endswith(".scale") or name.startswith("mtp."):
+        if name.endswith(".scale") or name.startswith("mtp.") != mtp:
             continue
         target = param_target(name)
         if target.expert is None:
@@ -29,9 +29,11 @@ def empty_params(cfg: Dsv4Config, ckpt: Checkpoint) -> dict[str, torch.nn.Parame
     params = {name: torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
               for name, shape in shapes.items()}
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    for layer in range(cfg.num_hidden_layers):
-        params[f"layers.{layer}.ffn.experts.w13"] = torch.nn.Parameter(torch.full((e, 2 * i, d), float("nan")))
-        params[f"layers.{layer}.ffn.experts.w2"] = torch.nn.Parameter(torch.full((e, d, i), float("nan")))
+    blocks = ([f"mtp.{k}" for k in range(cfg.num_nextn_predict_layers)] if mtp else
+              [f"layers.{layer}" for layer in range(cfg.num_hidden_layers)])
+    for block in blocks:
+        params[f"{block}.ffn.experts.w13"] = torch.nn.Parameter(torch.full((e, 2 * i, d), float("nan")))
+        params[f"{block}.ffn.experts.w2"] = torch.nn.Parameter(torch.full((e, d, i), float("nan")))
     return params
 
 
@@ -70,6 +72,22 @@ def test_every_parameter_filled_with_independently_dequantised_values(quantized)
         kv, gate = params[f"{module}.wkv_gate.weight"].data.chunk(2)
         assert torch.equal(kv, ckpt.get(f"{module}.wkv.weight").float())
         assert torch.equal(gate, ckpt.get(f"{module}.wgate.weight").float())
+
+
+def test_mtp_draft_load_places_the_mtp_tensors_only(quantized):
+    """The draft model's load (vLLM streams it the whole checkpoint) fills every MTP parameter, with
+    independently dequantised values, and nothing else (the main model's: the test above)."""
+    cfg, ckpt = quantized
+    params = empty_params(cfg, ckpt, mtp=True)
+    assert params and all(name.startswith("mtp.0.") for name in params)
+    assert load_official_weights(cfg, stream(ckpt), params, mtp=True) == set(params)
+    for name, p in params.items():
+        assert not torch.isnan(p.data.float()).any(), name
+    e_proj = oracle_dequant_fp8(ckpt.get("mtp.0.e_proj.weight"), ckpt.get("mtp.0.e_proj.scale"))
+    assert torch.equal(params["mtp.0.e_proj.weight"].data.float(), e_proj.float())
+    w1 = oracle_dequant_mxfp4(ckpt.get("mtp.0.ffn.experts.3.w1.weight"), ckpt.get("mtp.0.ffn.experts.3.w1.scale"))
+    assert torch.equal(params["mtp.0.ffn.experts.w13"].data[3, : cfg.moe_intermediate_size].float(), w1.float())
+    assert torch.equal(params["mtp.0.hc_head.base"].data, ckpt.get("mtp.0.hc_head_base").float())
 
 
 def test_missing_scale_is_named(quantized):

@@ -247,11 +247,14 @@ def ktiny_cfg(make_checkpoint_module):
     return Dsv4Config.from_dict(make_checkpoint_module.make_config("ktiny"))
 
 
-def test_gpu_holds_every_whole_block_fp8_linear_but_experts_and_mtp(ktiny_cfg):
+def test_gpu_holds_every_whole_block_fp8_linear_but_experts(ktiny_cfg):
     cfg = ktiny_cfg
-    want = {}
-    for layer in range(cfg.num_hidden_layers):
-        a, f = f"layers.{layer}.attn.", f"layers.{layer}.ffn.shared_experts."
+    L = cfg.num_hidden_layers
+    blocks = [(f"layers.{i}", i) for i in range(L)] + [(f"mtp.{k}", L + k) for k in range(cfg.num_nextn_predict_layers)]
+    assert cfg.num_nextn_predict_layers == 1
+    want = {f"mtp.0.{w}.weight": 1 for w in ("e_proj", "h_proj")}  # the MTP module's input fusion
+    for block, layer in blocks:
+        a, f = f"{block}.attn.", f"{block}.ffn.shared_experts."
         want |= {f"{a}{w}.weight": 1 for w in ("wqkv_a", "wq_b", "wo_b")} | {f"{a}wo_a.weight": cfg.o_groups}
         want |= {f"{f}{w}.weight": 1 for w in ("w13", "w2")}
         if cfg.compress_ratio(layer) == 4:
@@ -285,7 +288,7 @@ def test_loader_fills_fp8_storage_that_dequantises_to_the_dequantised_load(ktiny
     cfg, ckpt = Dsv4Config.from_pretrained(ktiny_ckpt), Checkpoint(ktiny_ckpt)
     dequantised = empty_params(cfg, ckpt)
     load_official_weights(cfg, stream(ckpt), dequantised)
-    held = fp8_linears(cfg, on_gpu=True)
+    held = {name: groups for name, groups in fp8_linears(cfg, on_gpu=True).items() if not name.startswith("mtp.")}
 
     shared = SharedExpert(cfg, Shard())  # a real module tree, switched by the model's own pass
     prefix = "layers.2.ffn.shared_experts"

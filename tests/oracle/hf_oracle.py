@@ -285,3 +285,80 @@ def load_hf_reference(ckpt_dir: str | Path):
     assert not result.missing_keys and not result.unexpected_keys, result
     model.eval()
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# MTP (§7), which transformers does not build: assembled here from its modules
+# --------------------------------------------------------------------------------------------
+
+
+class HFMTPReference:
+    """The MTP module ``mtp.0`` of a checkpoint as §7 defines it, built from transformers' pieces: its
+    block is a ``DeepseekV4DecoderLayer`` at layer index ``num_hidden_layers`` (sliding-window,
+    score-routed), its norms ``DeepseekV4RMSNorm``, its head mixer ``DeepseekV4HyperHead``; the main
+    model (``load_hf_reference``) gives the embedding, the head and the streams before its hyper-head.
+
+    ``logprobs(tokens)``: for a sequence t_0..t_{N-1}, row q (0 <= q < N-1) holds the draft's fp64
+    log-probs for t_{q+2} from the main model's streams at q and the embedding of t_{q+1}."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        import copy
+
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+        ckpt_dir = Path(ckpt_dir)
+        self.main = load_hf_reference(ckpt_dir)
+        cfg = copy.deepcopy(self.main.config)
+        L = cfg.num_hidden_layers
+        cfg.layer_types = list(cfg.layer_types) + ["sliding_attention"]  # the MTP block's kinds (§7)
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["moe"]
+        self.config = cfg
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.block = hf.DeepseekV4DecoderLayer(cfg, L)
+        self.enorm, self.hnorm, self.norm = (hf.DeepseekV4RMSNorm(d, eps) for _ in range(3))
+        self.e_proj, self.h_proj = (torch.nn.Linear(d, d, bias=False) for _ in range(2))
+        self.hc_head = hf.DeepseekV4HyperHead(cfg)
+
+        weights = {n[len("mtp.0."):]: t for n, t in _dequantized_weights(_open_tensors(ckpt_dir)).items()
+                   if n.startswith("mtp.0.")}
+        own = {"enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight, "norm.weight": self.norm.weight,
+               "e_proj.weight": self.e_proj.weight, "h_proj.weight": self.h_proj.weight,
+               "hc_head_fn": self.hc_head.hc_fn, "hc_head_base": self.hc_head.hc_base,
+               "hc_head_scale": self.hc_head.hc_scale}
+        block_state = official_to_hf({f"layers.{L}.{n}": t for n, t in weights.items() if n not in own},
+                                     cfg.n_routed_experts)
+        prefix = f"model.layers.{L}."
+        result = self.block.load_state_dict({n[len(prefix):]: t for n, t in block_state.items()}, strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        with torch.no_grad():
+            for name, param in own.items():
+                assert param.shape == weights[name].shape, (name, param.shape, weights[name].shape)
+                param.copy_(weights[name])
+        for module in (self.block, self.enorm, self.hnorm, self.norm, self.e_proj, self.h_proj, self.hc_head):
+            module.float().eval()
+
+    @torch.no_grad()
+    def logprobs(self, tokens: list[int]) -> torch.Tensor:
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        ids = torch.tensor([tokens])
+        captured = {}
+        hook = self.main.model.hc_head.register_forward_pre_hook(lambda m, args: captured.update(streams=args[0]))
+        try:
+            self.main(ids)
+        finally:
+            hook.remove()
+        streams = captured["streams"][:, :-1]  # [1, N-1, n, D] at positions 0..N-2
+        next_ids = ids[:, 1:]
+        embeds = self.main.model.embed_tokens(next_ids)
+        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embeds)).unsqueeze(2)
+        position_ids = torch.arange(len(tokens) - 1).unsqueeze(0)
+        rotary = self.main.model.rotary_emb
+        position_embeddings = {kind: rotary(embeds, position_ids=position_ids, layer_type=kind)
+                               for kind in ("main", "compress")}
+        mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
+                                                 past_key_values=None, position_ids=position_ids)
+        x = self.block(x, input_ids=next_ids, position_embeddings=position_embeddings, position_ids=position_ids,
+                       attention_mask=mask, past_key_values=None)
+        logits = self.main.lm_head(self.norm(self.hc_head(x)))[0]
+        return torch.log_softmax(logits.double(), -1)

@@ -91,13 +91,15 @@ def load_official_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     params: dict[str, torch.nn.Parameter],
     shard: Shard = Shard(),
+    mtp: bool = False,
 ) -> set[str]:
     """Stream official (name, tensor) pairs into ``params``; returns the parameter names filled.
 
     A tensor that does not match the official table (loader/checkpoint.py) is not placed; once the
     stream ends, ``validate`` raises one CheckpointError naming every such tensor, every missing
     one, and every block-scale tensor holding NaN. FP8 / MXFP4 weights are held until their
-    ``.scale`` arrives (either order). ``mtp.*`` are checked but left to the MTP draft model. A
+    ``.scale`` arrives (either order). Every tensor is checked; the main model places all but
+    ``mtp.*``, the MTP draft model (``mtp``) only those (vLLM streams it the whole checkpoint). A
     merged linear (names.MERGED) and a stack of experts get each member's rows. Under tensor
     parallelism each rank keeps its slice.
     """
@@ -112,7 +114,7 @@ def load_official_weights(
             continue
         if name.endswith(".scale") and (problem := nan_scales(name, tensor)):
             value_problems.append(problem)
-        if name.startswith("mtp."):
+        if name.startswith("mtp.") != mtp:
             continue
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"

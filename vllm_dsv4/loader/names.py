@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+# A block is ``layers.N`` or an MTP module ``mtp.K`` (a block with its own head mixer, §7).
 RENAMES: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"^hc_head_(fn|base|scale)$"), r"hc_head.\1"),
-    (re.compile(r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"\1.hc_\2.\3"),
+    (re.compile(r"^((?:mtp\.\d+\.)?)hc_head_(fn|base|scale)$"), r"\1hc_head.\2"),
+    (re.compile(r"^((?:layers|mtp)\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$"), r"\1.hc_\2.\3"),
 )
 # Routed experts are stacked: w1 -> w13[e, :I], w3 -> w13[e, I:], w2 -> w2[e].
-EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 # Linears of one module that read the same input are one weight, the official weights' rows stacked in
 # this order: one GEMM per step instead of several (and in FP8 one activation quantisation).
 # module -> (our merged linear, the official linears it stacks)

@@ -41,7 +41,9 @@ class Dsv4CheckpointQuantConfig(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
-        is_dsv4 = getattr(hf_config, "model_type", None) == "deepseek_v4"
+        # vLLM's "mtp" method loads the same checkpoint again as model type deepseek_mtp (the draft)
+        model_type = getattr(hf_config, "model_type", None)
+        is_dsv4 = model_type == "deepseek_v4" or (model_type == "deepseek_mtp" and hasattr(hf_config, "compress_ratios"))
         # vLLM renames the official "fp8" to "deepseek_v4_fp8" for this architecture before probing.
         official = hf_quant_cfg.get("quant_method") in ("fp8", "deepseek_v4_fp8")
         if is_dsv4 and official and user_quant in (None, "fp8", "deepseek_v4_fp8", NAME):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -16,18 +17,20 @@ from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
 
 
 class Block(nn.Module):
-    """mHC-wrapped attention and MoE sub-layers over the n residual streams (§2)."""
+    """mHC-wrapped attention and MoE sub-layers over the n residual streams (§2). ``name``: the
+    official one (``layers.N``, or ``mtp.K`` for layer index ``num_hidden_layers + K``); ``prefix``:
+    the model's, which vLLM knows its cache layers by."""
 
-    def __init__(self, cfg: Dsv4Config, layer: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard,
-                 fp8: Mapping[str, int]):
+    def __init__(self, cfg: Dsv4Config, layer: int, name: str, prefix: str, vllm_config, kv_dtype: torch.dtype,
+                 shard: Shard):
         super().__init__()
         self.shard = shard
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(cfg), HyperConnection(cfg)
-        self.attn = Attention(cfg, cfg.compress_ratio(layer), f"{prefix}.attn", vllm_config, kv_dtype, shard)
+        attn_prefix = f"{prefix}.{name}.attn" if prefix else f"{name}.attn"
+        self.attn = Attention(cfg, cfg.compress_ratio(layer), attn_prefix, vllm_config, kv_dtype, shard)
         self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
-        hold_fp8_linears(self, fp8, f"layers.{layer}")  # block by block: one block's bf16 weights in flight
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         y, post, comb = self.hc_attn.pre(streams)
@@ -49,13 +52,31 @@ class DeepseekV4ForCausalLM(nn.Module):
         fp8 = fp8_linears(cfg, shard)  # empty on the CPU path: every weight dequantised at load
         self.hc_mult = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Block(cfg, i, f"{prefix}.layers.{i}" if prefix else f"layers.{i}", vllm_config, dtype, shard, fp8)
-            for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList()
+        for i in range(cfg.num_hidden_layers):
+            self.layers.append(Block(cfg, i, f"layers.{i}", prefix, vllm_config, dtype, shard))
+            hold_fp8_linears(self.layers[i], fp8, f"layers.{i}")  # block by block: one block's bf16 weights in flight
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # The MTP draft's input (model/mtp.py): each step's streams before the hyper-head, in a buffer that
+        # outlives the step (and a CUDA graph's replay), read through get_mtp_target_hidden_states.
+        spec = vllm_config.speculative_config
+        rows = vllm_config.scheduler_config.max_num_batched_tokens if spec is not None and spec.use_eagle() else 0
+        self.register_buffer("mtp_inputs", torch.empty(rows, cfg.hc_mult * cfg.hidden_size, dtype=dtype),
+                             persistent=False)
+
+    # What vLLM's MTP proposer shares with the draft: ``target.model.embed_tokens`` and ``target.lm_head``.
+    @property
+    def model(self) -> SimpleNamespace:
+        return SimpleNamespace(embed_tokens=self.embed)
+
+    @property
+    def lm_head(self) -> Linear:
+        return self.head
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        return self.mtp_inputs if len(self.mtp_inputs) else None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
@@ -69,6 +90,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = h.unsqueeze(1).repeat(1, self.hc_mult, 1)  # [T, n, D]
         for block in self.layers:
             streams = block(streams, positions, input_ids)
+        if len(self.mtp_inputs):
+            self.mtp_inputs[: len(streams)].copy_(streams.flatten(1))
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -80,7 +103,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         from vllm_dsv4.loader.load import load_official_weights
 
         loaded = load_official_weights(self.cfg, weights, dict(self.named_parameters()), self.shard)
-        for module in self.modules():  # vLLM post-processes quant methods only; ours finish here
-            if isinstance(module, (Linear, Experts)):
-                module.finish_loading()
+        finish_loading(self)
         return loaded
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Bind loaded weights to their kernels (vLLM post-processes quant methods only; ours finish here)."""
+    for module in model.modules():
+        if isinstance(module, (Linear, Experts)):
+            module.finish_loading()

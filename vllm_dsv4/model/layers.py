@@ -109,7 +109,7 @@ def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_
 
     On the GPU path, every FP8 128x128-block weight of the official table (loader/checkpoint.py)
     whose shape is whole blocks (the kernels quantise activations in 128-wide groups), except the
-    stacked routed experts (moe.py) and MTP; a merged linear (loader/names.py) only when all its
+    stacked routed experts (moe.py); a merged linear (loader/names.py) only when all its
     members are, so each member's rows start on a block; ``wo_a``'s rows are its ``o_groups`` output
     groups (§5.6), held where ``ops.rope_out_proj`` could read them. Nothing on the CPU path or for an
     unquantised checkpoint: the loader dequantises every weight not held. Raises ConfigError when
@@ -120,7 +120,7 @@ def fp8_linears(cfg: Dsv4Config, shard: Shard = Shard(), on_gpu: bool = ops.USE_
     held, not_whole_blocks = {}, set()
     for name, spec in expected_tensors(cfg).items():
         target = param_target(name)
-        if spec.dtype != torch.float8_e4m3fn or name.startswith("mtp.") or target.expert is not None:
+        if spec.dtype != torch.float8_e4m3fn or target.expert is not None:
             continue
         wo_a = name.endswith(".attn.wo_a.weight")
         # ops.rope_out_proj's 128-wide K blocks stay within a head

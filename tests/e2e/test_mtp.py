@@ -1,0 +1,73 @@
+"""MTP speculative decoding (model/mtp.py) under vLLM on CPU, fp32, against transformers.
+
+transformers has no MTP layer: the reference assembles §7 from its modules
+(tests/oracle/hf_oracle.HFMTPReference). The draft's log-probs at every position it scored must
+match that reference, and speculation must not change greedy outputs: with one and with two draft
+tokens per step they equal transformers' greedy continuations. The prompts cross the tiny model's
+C4 and C128 boundaries and its 16-token window, so rejected drafts have written caches and
+compressor states that the next step must overwrite.
+"""
+
+import pytest
+import torch
+
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
+from tests.oracle.hf_oracle import HFMTPReference
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = make_prompts((7, 129, 300), seed=3)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt_unquantized):
+    return HFMTPReference(tiny_ckpt_unquantized)
+
+
+@pytest.fixture(scope="module")
+def greedy(reference):
+    """transformers' greedy continuation of each prompt."""
+    model = reference.main
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["k1", "k2"])
+def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
+    """A vLLM run with ``k`` MTP draft tokens per step; with k = 1 every draft row is recorded (later
+    draft steps of k > 1 embed draft tokens, which the reference does not know)."""
+    k = request.param
+    engine = dict(ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    run = run_vllm(tmp_path_factory.mktemp(f"mtp{k}"), tiny_ckpt_unquantized, engine, [{"prompts": PROMPTS}],
+                   f"mtp{k}", max_tokens=NEW_TOKENS, record_draft_logprobs=k == 1)
+    return k, run
+
+
+def test_drafting_keeps_greedy_outputs(drafted, greedy):
+    k, run = drafted
+    assert [r["tokens"] for r in run["batches"][0]] == greedy
+    counters = run["spec_decode"]
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    assert drafts >= NEW_TOKENS // (k + 1), counters  # each step drafted for every running request
+    assert counters["vllm:spec_decode_num_draft_tokens"] == k * drafts, counters
+
+
+def test_draft_logprobs_match_the_reference(drafted, reference, greedy):
+    k, run = drafted
+    if k != 1:
+        pytest.skip("rows of later draft steps embed draft tokens")
+    sequences = [p + g for p, g in zip(PROMPTS, greedy)]
+    expected = [reference.logprobs(seq) for seq in sequences]  # [len - 1, V] each
+    rows = run["draft_rows"]
+    # one row per request and step, from the prefill's last position on (a few left out as ambiguous)
+    assert len(rows) >= len(PROMPTS) * NEW_TOKENS // 2, len(rows)
+    errors = []
+    for position, token, logprobs in rows:
+        candidates = [ref[position] for seq, ref in zip(sequences, expected)
+                      if position + 1 < len(seq) and seq[position + 1] == token]
+        assert candidates, f"draft row at position {position} embeds {token}, in no request's sequence"
+        errors.append(min((logprobs - ref).abs().max().item() for ref in candidates))
+    assert max(errors) < LOGIT_TOL, (max(errors), sorted(errors)[-5:])
