@@ -2,10 +2,10 @@
 
 transformers has no MTP layer: the reference assembles §7 from its modules
 (tests/oracle/hf_oracle.HFMTPReference). The draft's log-probs at every position it scored must
-match that reference, and speculation must not change greedy outputs: with one and with two draft
-tokens per step they equal transformers' greedy continuations. The prompts cross the tiny model's
-C4 and C128 boundaries and its 16-token window, so rejected drafts have written caches and
-compressor states that the next step must overwrite.
+match that reference, and speculation must not change greedy outputs: with one draft token per
+step (and prefix-cache hits) and with two (and chunked prefill) they equal transformers' greedy
+continuations. The prompts cross the tiny model's C4 and C128 boundaries and its 16-token window, so
+rejected drafts have written caches and compressor states that the next step must overwrite.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from tests.oracle.hf_oracle import HFMTPReference
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = make_prompts((7, 129, 300), seed=3)
+PROMPTS = make_prompts((7, 129, 600), seed=3)
 NEW_TOKENS = 32
 
 
@@ -35,23 +35,35 @@ def greedy(reference):
                                do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["k1", "k2"])
+# (draft tokens per step, engine settings): one draft token per step with a second batch of the same
+# prompts served from the prefix cache (vLLM drops the last cached block of the draft's KV group, which
+# it recomputes); two with prompts prefilled in 64-token chunks (the draft runs on every chunk)
+RUNS = {"k1-prefix-cache": (1, dict(enable_prefix_caching=True)),
+        "k2-chunked": (2, dict(max_num_batched_tokens=64, enable_chunked_prefill=True))}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
 def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     """A vLLM run with ``k`` MTP draft tokens per step; with k = 1 every draft row is recorded (later
     draft steps of k > 1 embed draft tokens, which the reference does not know)."""
-    k = request.param
-    engine = dict(ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-    run = run_vllm(tmp_path_factory.mktemp(f"mtp{k}"), tiny_ckpt_unquantized, engine, [{"prompts": PROMPTS}],
-                   f"mtp{k}", max_tokens=NEW_TOKENS, record_draft_logprobs=k == 1)
+    k, settings = RUNS[request.param]
+    engine = dict(ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **settings)
+    batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
+    run = run_vllm(tmp_path_factory.mktemp(request.param), tiny_ckpt_unquantized, engine, batches, request.param,
+                   max_tokens=NEW_TOKENS, record_draft_logprobs=k == 1)
     return k, run
 
 
 def test_drafting_keeps_greedy_outputs(drafted, greedy):
     k, run = drafted
-    assert [r["tokens"] for r in run["batches"][0]] == greedy
+    for batch in run["batches"]:
+        assert [r["tokens"] for r in batch] == greedy
+    if len(run["batches"]) > 1:  # the 600-token prompt's first 256-token block came from the cache (the
+        # second is the last full one, which vLLM recomputes for the draft)
+        assert run["batches"][1][2]["num_cached_tokens"] > 0, [r["num_cached_tokens"] for r in run["batches"][1]]
     counters = run["spec_decode"]
     drafts = counters["vllm:spec_decode_num_drafts"]
-    assert drafts >= NEW_TOKENS // (k + 1), counters  # each step drafted for every running request
+    assert drafts >= len(run["batches"]) * NEW_TOKENS // (k + 1), counters  # drafted in every step
     assert counters["vllm:spec_decode_num_draft_tokens"] == k * drafts, counters
 
 
@@ -63,7 +75,7 @@ def test_draft_logprobs_match_the_reference(drafted, reference, greedy):
     expected = [reference.logprobs(seq) for seq in sequences]  # [len - 1, V] each
     rows = run["draft_rows"]
     # one row per request and step, from the prefill's last position on (a few left out as ambiguous)
-    assert len(rows) >= len(PROMPTS) * NEW_TOKENS // 2, len(rows)
+    assert len(rows) >= len(run["batches"]) * len(PROMPTS) * NEW_TOKENS // 2, len(rows)
     errors = []
     for position, token, logprobs in rows:
         candidates = [ref[position] for seq, ref in zip(sequences, expected)
