@@ -32,7 +32,8 @@ class CacheStepMetadata:
 
     block_table: torch.Tensor
     token_to_req: torch.Tensor  # [T] int64 on the device, -1 for padding tokens
-    decode_only: bool  # every request has one query token: the fixed-shape (CUDA-graph) decode path
+    decode_only: bool  # no request has more query tokens than a decode step's (1 + draft tokens): the
+    # fixed-shape (CUDA-graph) path, which computes any step's tokens alike, each from its own position
     max_seq_len: int  # the longest request's tokens up to this step's last (host): widths without a device read
     # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
     # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
@@ -48,13 +49,16 @@ class CacheStepMetadata:
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
-    # Full CUDA graphs of decode steps: the decode path has fixed shapes and no host syncs.
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # Full CUDA graphs of decode steps, also where each request verifies draft tokens (speculative
+    # decoding: 1 + k query tokens each): the decode path has fixed shapes and no host syncs.
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._token_to_req = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        spec = vllm_config.speculative_config
+        self._decode_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         cm = common_attn_metadata
@@ -66,7 +70,7 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
             token_to_req=self._token_to_req[:num_tokens],
-            decode_only=cm.max_query_len == 1,
+            decode_only=cm.max_query_len <= self._decode_query_len,
             max_seq_len=cm.max_seq_len,
         )
 
