@@ -13,6 +13,9 @@ plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming ev
   * prefill tok/s at 8k and 32k tokens (one prompt, 1 output token);
   * KV-cache bytes, token capacity (vLLM's own max concurrency at ``max_model_len`` times
     ``max_model_len``, the same formula for both engines) and bytes per token;
+  * with ``--mtp K``, both engines draft K tokens per step with the checkpoint's MTP module; the
+    decode rows then include drafting and verifying, and the table adds the drafts' acceptance
+    (random-weight checkpoints accept almost none: the rows then price MTP's overhead);
   * with ``--profile``, for 16 decode steps at batch 16 and an 8k-token prefill: the CUDA kernels
     and the host-side ops that dominate (torch profiler tables, with the steps' wall time), and the
     prefill's trace (Chrome trace format, gzipped) to find where the GPU waits on the host.
@@ -30,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DECODE_BATCHES = (1, 16, 64)
 PREFILL_LENS = (8192, 32768)
@@ -114,14 +119,24 @@ def kv_capacity(llm) -> dict:
                 kv_bytes_per_token=total / max(tokens, 1))
 
 
+def draft_acceptance(llm) -> float:
+    """Accepted over proposed draft tokens so far (vLLM's speculative-decoding counters)."""
+    from tests.e2e.run_vllm import spec_decode_counters
+
+    counters = spec_decode_counters(llm)
+    return counters["vllm:spec_decode_num_accepted_tokens"] / max(counters["vllm:spec_decode_num_draft_tokens"], 1)
+
+
 def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization: float,
-               decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS, profile_path: Path | None = None) -> dict:
+               decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS, profile_path: Path | None = None,
+               mtp: int = 0) -> dict:
     from vllm import LLM
 
+    drafting = dict(speculative_config={"method": "mtp", "num_speculative_tokens": mtp}, disable_log_stats=False)
     start = time.perf_counter()
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(decode_batches),
-              max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"])
+              max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"], **(drafting if mtp else {}))
     result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm),
                   env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")})
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -133,6 +148,8 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
         seconds = timed_generate(llm, prompts(1, length, length, vocab), 1)
         result[f"prefill_tok_s_{length}"] = length / seconds
         print(f"[{name}] prefill {length}: {length / seconds:.0f} tok/s", flush=True)
+    if mtp:
+        result.update(mtp_draft_tokens=mtp, mtp_acceptance=draft_acceptance(llm))
     if profile_path:  # 16 decode steps of 16 requests; one 8k-token prefill
         profile_steps(llm, prompts(16, PROMPT_LEN, 16, vocab), 17, profile_path.with_suffix(".decode.txt"))
         profile_steps(llm, prompts(1, 8192, 8192, vocab), 1, profile_path.with_suffix(".prefill.txt"))
@@ -186,6 +203,9 @@ def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
         rows.append((f"prefill_tok_s_{n}", f"prefill tok/s, {n} tokens", "{:.0f}", "higher"))
     rows += [("kv_cache_gib", "KV cache (GiB)", "{:.2f}", "-"), ("token_capacity", "token capacity", "{:,}", "higher"),
              ("kv_bytes_per_token", "KV bytes / token", "{:.1f}", "lower")]
+    if "mtp_acceptance" in keys:
+        rows += [("mtp_draft_tokens", "MTP draft tokens per step", "{}", "-"),
+                 ("mtp_acceptance", "MTP draft acceptance", "{:.3f}", "-")]
     return rows
 
 
@@ -215,6 +235,7 @@ def main() -> int:
     ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
     ap.add_argument("--profile", action="store_true",
                     help="also write torch-profiler kernel tables of decode and prefill steps next to --out")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP draft tokens per step (speculative decoding); 0: off")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -222,7 +243,7 @@ def main() -> int:
         ints = lambda csv: tuple(int(v) for v in csv.split(","))  # noqa: E731
         profile_path = args.out.with_suffix(".profile") if args.profile else None
         result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
-                            ints(args.decode_batches), ints(args.prefill_lens), profile_path)
+                            ints(args.decode_batches), ints(args.prefill_lens), profile_path, args.mtp)
         args.out.write_text(json.dumps(result, indent=2))
         return 0
     if args.report:
@@ -241,7 +262,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--out", str(out),
                "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-               "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens]
+               "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens, "--mtp", str(args.mtp)]
         cmd += ["--profile"] if args.profile else []
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"[{name}] engine run failed", file=sys.stderr)

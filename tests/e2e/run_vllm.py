@@ -4,8 +4,8 @@ Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the eng
 batches of prompts (token ids); each batch is one ``generate`` call, optionally on its prompts
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
-(integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model scored. Every engine gets its own
-process because vLLM on CPU spawns workers and keeps process-global state.
+(integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
+scored. Every engine gets its own process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
 import json
@@ -140,7 +140,8 @@ def fill_uninitialized_memory(worker) -> bool:
 
 def spec_decode_counters(llm) -> dict:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens), by metric name."""
-    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
 
 
 def main(job_path: str, out_path: str) -> None:
