@@ -51,6 +51,10 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    ``transform_sf_into_required_layout`` (what vLLM 0.26's in-tree DeepSeek-V4 runs ``wo_a`` on) | not
    on CPU | ``has_grouped_fp8_gemm()`` says whether it binds; ``grouped_fp8_gemm()`` raises an error
    naming the missing piece otherwise | delete the check when both versions ship it.
+10. PATCH ``SpeculativeConfig.hf_config_override`` (0.26 and 0.32): for ``method="mtp"`` on a
+   checkpoint without an MTP module (``num_nextn_predict_layers: 0``) vLLM divides by the draft's
+   ``n_predict`` of 0 (a bare ``ZeroDivisionError``); ``patch_mtp_draft_config()`` names the
+   problem first. Delete when vLLM checks it.
 """
 
 from __future__ import annotations
@@ -162,6 +166,28 @@ def patch_model_config_hook() -> None:
             graph_modes(vllm_config.compilation_config)
 
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+
+
+def patch_mtp_draft_config() -> None:
+    """Ledger 10: a clear error for MTP drafting with a checkpoint that has no MTP module."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    from vllm_dsv4.config import ConfigError
+
+    in_tree = SpeculativeConfig.hf_config_override
+    if getattr(in_tree, "_dsv4_plugin", False):
+        return
+
+    def hf_config_override(hf_config):
+        hf_config = in_tree(hf_config)
+        draft = getattr(hf_config, "model_type", None) == "deepseek_mtp" and hasattr(hf_config, "compress_ratios")
+        if draft and not getattr(hf_config, "n_predict", None):
+            raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
+                              "and this checkpoint has none (num_nextn_predict_layers = 0)")
+        return hf_config
+
+    hf_config_override._dsv4_plugin = True
+    SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)
 
 
 def breakable_graphs() -> bool:

@@ -31,6 +31,7 @@ def register() -> None:
     for arch, target in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, target)  # replaces the in-tree class of the same name
     compat.patch_model_config_hook()
+    compat.patch_mtp_draft_config()
     if not compat.is_vllm_026():
         compat.patch_cpu_platform()
     from vllm_dsv4 import serving

@@ -88,3 +88,31 @@ def test_draft_logprobs_match_the_reference(drafted, reference, greedy):
         assert candidates, f"draft row at position {position} embeds {token}, in no request's sequence"
         errors.append(min((logprobs - ref).abs().max().item() for ref in candidates))
     assert max(errors) < LOGIT_TOL, (max(errors), sorted(errors)[-5:])
+
+
+def test_drafting_without_an_mtp_module_is_named(tiny_ckpt, tmp_path):
+    """A checkpoint without the MTP module (num_nextn_predict_layers 0, no mtp.* tensors) serves, but
+    asked to draft with it, the engine's configuration fails naming the problem (vLLM alone divides by
+    zero)."""
+    import json
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dsv4 import plugin
+
+    ckpt = tmp_path / "no_mtp"
+    shutil.copytree(tiny_ckpt, ckpt, ignore=shutil.ignore_patterns("model-mtp*"))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    config["compress_ratios"] = config["compress_ratios"][: config["num_hidden_layers"]]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: f for name, f in index["weight_map"].items() if not name.startswith("mtp.")}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    plugin.register()
+    args = EngineArgs(model=str(ckpt), skip_tokenizer_init=True, max_model_len=512,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match=r"this checkpoint has none \(num_nextn_predict_layers = 0\)"):
+        args.create_engine_config()
