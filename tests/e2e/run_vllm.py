@@ -62,26 +62,33 @@ def count_dummy_batches() -> list:
 
 def record_draft_logprobs() -> list:
     """Records what the MTP draft model scores: per row given to ``compute_logits``, (position, the
-    token its input embedded, fp64 log-probs), the row found among the streams the last ``forward``
-    returned (the proposer passes a gather of them; rows that match no or several are left out)."""
+    token its input embedded, fp64 log-probs, whether its input streams were the draft's own output of
+    the previous draft step rather than the main model's), the row found among the streams the last
+    ``forward`` returned (the proposer passes a gather of them; rows that match no or several are left
+    out)."""
     from vllm_dsv4.model.mtp import DeepseekV4MTP
 
     rows, last = [], {}
     forward, compute_logits = DeepseekV4MTP.forward, DeepseekV4MTP.compute_logits
 
+    def found_in(x, y):
+        """[len(x), len(y)]: row i of x equals row j of y."""
+        return (x[:, None, :] == y[None, :, :]).all(-1)
+
     def recorded_forward(self, input_ids, positions, hidden_states, *args, **kwargs):
         out = forward(self, input_ids, positions, hidden_states, *args, **kwargs)
-        last.update(out=out, positions=positions.tolist(), input_ids=input_ids.tolist())
+        # (a later draft step's batch may be padded: some rows match nothing)
+        chained = "out" in last and bool(found_in(hidden_states, last["out"]).any())
+        last.update(out=out, positions=positions.tolist(), input_ids=input_ids.tolist(), chained=chained)
         return out
 
     def recorded_logits(self, hidden_states, *args, **kwargs):
         logits = compute_logits(self, hidden_states, *args, **kwargs)
-        same = (hidden_states[:, None, :] == last["out"][None, :, :]).all(-1)  # [rows, forward's rows]
-        for row, matches in enumerate(same):
+        for row, matches in enumerate(found_in(hidden_states, last["out"])):
             (index,) = matches.nonzero()[:, 0].tolist() or [None]
             if index is not None and matches.sum() == 1:
                 rows.append((last["positions"][index], last["input_ids"][index],
-                             torch.log_softmax(logits[row].double(), -1).cpu()))
+                             torch.log_softmax(logits[row].double(), -1).cpu(), last["chained"]))
         return logits
 
     DeepseekV4MTP.forward, DeepseekV4MTP.compute_logits = recorded_forward, recorded_logits

@@ -299,7 +299,8 @@ class HFMTPReference:
     model (``load_hf_reference``) gives the embedding, the head and the streams before its hyper-head.
 
     ``logprobs(tokens)``: for a sequence t_0..t_{N-1}, row q (0 <= q < N-1) holds the draft's fp64
-    log-probs for t_{q+2} from the main model's streams at q and the embedding of t_{q+1}."""
+    log-probs for t_{q+2} from the main model's streams at q and the embedding of t_{q+1};
+    ``chained_logprobs``: a second draft step, fed the first one's output (vLLM's k > 1)."""
 
     def __init__(self, ckpt_dir: str | Path):
         import copy
@@ -339,8 +340,20 @@ class HFMTPReference:
 
     @torch.no_grad()
     def logprobs(self, tokens: list[int]) -> torch.Tensor:
-        from transformers.masking_utils import create_sliding_window_causal_mask
+        return self._logprobs(self._first_step(tokens)[1])
 
+    @torch.no_grad()
+    def chained_logprobs(self, tokens: list[int], position: int, draft: int) -> torch.Tensor:
+        """The second draft step at ``position`` (> 0): fed the first step's output streams at
+        ``position - 1`` (inputs from ``tokens``) and the embedding of ``draft``, attending the first
+        step's inputs before it. fp64 log-probs [V] for the token at ``position + 2``."""
+        x, out = self._first_step(tokens[: position + 1])
+        x = torch.cat([x, self._fuse(out[:, -1:], torch.tensor([[draft]]))], 1)
+        return self._logprobs(self._block(x, torch.tensor([tokens[1: position + 1] + [draft]]))[:, -1:])[0]
+
+    def _first_step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first draft step over ``tokens``: block inputs and outputs [1, N-1, n, D] at positions
+        0..N-2 (the main model's streams at p and the embedding of the token at p + 1)."""
         ids = torch.tensor([tokens])
         captured = {}
         hook = self.main.model.hc_head.register_forward_pre_hook(lambda m, args: captured.update(streams=args[0]))
@@ -348,17 +361,26 @@ class HFMTPReference:
             self.main(ids)
         finally:
             hook.remove()
-        streams = captured["streams"][:, :-1]  # [1, N-1, n, D] at positions 0..N-2
-        next_ids = ids[:, 1:]
+        x = self._fuse(captured["streams"][:, :-1], ids[:, 1:])
+        return x, self._block(x, ids[:, 1:])
+
+    def _fuse(self, streams: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.main.model.embed_tokens(next_ids)
-        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embeds)).unsqueeze(2)
-        position_ids = torch.arange(len(tokens) - 1).unsqueeze(0)
-        rotary = self.main.model.rotary_emb
+        return self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(embeds)).unsqueeze(2)
+
+    def _block(self, x: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """The MTP block over inputs x [1, N, n, D] at positions 0..N-1 (causal, sliding window)."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        position_ids = torch.arange(x.shape[1]).unsqueeze(0)
+        rotary, embeds = self.main.model.rotary_emb, x[:, :, 0]
         position_embeddings = {kind: rotary(embeds, position_ids=position_ids, layer_type=kind)
                                for kind in ("main", "compress")}
         mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
                                                  past_key_values=None, position_ids=position_ids)
-        x = self.block(x, input_ids=next_ids, position_embeddings=position_embeddings, position_ids=position_ids,
-                       attention_mask=mask, past_key_values=None)
-        logits = self.main.lm_head(self.norm(self.hc_head(x)))[0]
+        return self.block(x, input_ids=next_ids, position_embeddings=position_embeddings, position_ids=position_ids,
+                          attention_mask=mask, past_key_values=None)
+
+    def _logprobs(self, streams: torch.Tensor) -> torch.Tensor:
+        logits = self.main.lm_head(self.norm(self.hc_head(streams)))[0]
         return torch.log_softmax(logits.double(), -1)
