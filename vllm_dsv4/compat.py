@@ -184,13 +184,12 @@ def patch_mtp_draft_config() -> None:
 def mtp_draft_hf_config(hf_config):
     """vLLM's draft-config rewrite, then the check. Module-level: the draft's model config keeps it as
     ``hf_overrides`` and is pickled to the workers."""
-    from vllm_dsv4.config import ConfigError
+    from vllm_dsv4.config import ConfigError, is_mtp_draft
 
     if _in_tree_hf_config_override is None:  # unpickled in a process that has not registered us yet
         patch_mtp_draft_config()
     hf_config = _in_tree_hf_config_override(hf_config)
-    draft = getattr(hf_config, "model_type", None) == "deepseek_mtp" and hasattr(hf_config, "compress_ratios")
-    if draft and not getattr(hf_config, "n_predict", None):
+    if is_mtp_draft(hf_config) and not getattr(hf_config, "n_predict", None):
         raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
                           "and this checkpoint has none (num_nextn_predict_layers = 0)")
     return hf_config

@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a DeepSeek-V4 model."""
 
 
+def is_mtp_draft(hf_config) -> bool:
+    """Whether ``hf_config`` is vLLM's draft config for MTP drafting on a DeepSeek-V4 checkpoint: the
+    checkpoint's own config with the model type rewritten to ``deepseek_mtp``."""
+    return getattr(hf_config, "model_type", None) == "deepseek_mtp" and hasattr(hf_config, "compress_ratios")
+
+
 @dataclass(frozen=True)
 class Yarn:
     """YaRN parameters applied to compressed (C4/C128) layers only (§3.2)."""

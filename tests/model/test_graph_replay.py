@@ -159,8 +159,9 @@ def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
     from vllm_dsv4.config import Dsv4Config
     from vllm_dsv4.loader.checkpoint import Checkpoint
     from vllm_dsv4.loader.load import load_official_weights
-    from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
-    from vllm_dsv4.model.moe import Experts, MoE
+    from vllm_dsv4.model.decoder import finish_loading
+    from vllm_dsv4.model.layers import fp8_linears, hold_fp8_linears
+    from vllm_dsv4.model.moe import MoE
     from vllm_dsv4.model.parallel import Shard
 
     cfg, ckpt = Dsv4Config.from_pretrained(ktiny_ckpt), Checkpoint(ktiny_ckpt)
@@ -178,9 +179,7 @@ def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
     moe.to("cuda")
     monkeypatch.setattr(ops, "MOE_BACKEND", backend)
     with set_current_vllm_config(kc.vllm_config_for(ktiny_ckpt)):  # vLLM's FP8 kernel choice reads it
-        for module in moe.modules():
-            if isinstance(module, (Linear, Experts)):
-                module.finish_loading()
+        finish_loading(moe)
     assert (moe.experts.marlin is not None) == (backend == "marlin")
 
     def inputs_for(seed: int) -> tuple:

@@ -12,6 +12,7 @@ Only the standard library, torch, safetensors and transformers are used; ``mtp.*
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -340,20 +341,22 @@ class HFMTPReference:
 
     @torch.no_grad()
     def logprobs(self, tokens: list[int]) -> torch.Tensor:
-        return self._logprobs(self._first_step(tokens)[1])
+        return self._logprobs(self._first_step(tuple(tokens))[1])
 
     @torch.no_grad()
     def chained_logprobs(self, tokens: list[int], position: int, draft: int) -> torch.Tensor:
         """The second draft step at ``position`` (> 0): fed the first step's output streams at
         ``position - 1`` (inputs from ``tokens``) and the embedding of ``draft``, attending the first
         step's inputs before it. fp64 log-probs [V] for the token at ``position + 2``."""
-        x, out = self._first_step(tokens[: position + 1])
-        x = torch.cat([x, self._fuse(out[:, -1:], torch.tensor([[draft]]))], 1)
-        return self._logprobs(self._block(x, torch.tensor([tokens[1: position + 1] + [draft]]))[:, -1:])[0]
+        x, out = self._first_step(tuple(tokens))  # causal: its rows before ``position`` are the prefix's
+        x = torch.cat([x[:, :position], self._fuse(out[:, position - 1 : position], torch.tensor([[draft]]))], 1)
+        return self._logprobs(self._block(x, torch.tensor([list(tokens[1 : position + 1]) + [draft]]))[:, -1:])[0]
 
-    def _first_step(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    @functools.lru_cache(maxsize=8)
+    def _first_step(self, tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The first draft step over ``tokens``: block inputs and outputs [1, N-1, n, D] at positions
-        0..N-2 (the main model's streams at p and the embedding of the token at p + 1)."""
+        0..N-2 (the main model's streams at p and the embedding of the token at p + 1). Kept for the
+        last few sequences: every second-step row of a sequence starts from it."""
         ids = torch.tensor([tokens])
         captured = {}
         hook = self.main.model.hc_head.register_forward_pre_hook(lambda m, args: captured.update(streams=args[0]))

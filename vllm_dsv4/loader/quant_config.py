@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from vllm_dsv4.config import is_mtp_draft
+
 NAME = "dsv4_plugin_fp8"
 
 
@@ -42,8 +44,7 @@ class Dsv4CheckpointQuantConfig(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         # vLLM's "mtp" method loads the same checkpoint again as model type deepseek_mtp (the draft)
-        model_type = getattr(hf_config, "model_type", None)
-        is_dsv4 = model_type == "deepseek_v4" or (model_type == "deepseek_mtp" and hasattr(hf_config, "compress_ratios"))
+        is_dsv4 = getattr(hf_config, "model_type", None) == "deepseek_v4" or is_mtp_draft(hf_config)
         # vLLM renames the official "fp8" to "deepseek_v4_fp8" for this architecture before probing.
         official = hf_quant_cfg.get("quant_method") in ("fp8", "deepseek_v4_fp8")
         if is_dsv4 and official and user_quant in (None, "fp8", "deepseek_v4_fp8", NAME):
