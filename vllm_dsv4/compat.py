@@ -55,6 +55,11 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    checkpoint without an MTP module (``num_nextn_predict_layers: 0``) vLLM divides by the draft's
    ``n_predict`` of 0 (a bare ``ZeroDivisionError``); ``patch_mtp_draft_config()`` names the
    problem first. Delete when vLLM checks it.
+11. Per-request KV load failures (``DSV4Connector``) | none: a worker's ``invalid_block_ids`` make the
+   scheduler of a model with several KV-cache groups raise (it unpacks one group) | the worker's
+   ``get_transfer_results`` returns ``KVConnectorTransferResults.failed_recving``, which vLLM recomputes
+   or fails by ``kv_load_failure_policy`` | ``reports_failed_loads()``, ``kv_transfer_results()``; on 0.26 a
+   failed load raises naming the entry | 0.26 support ends.
 """
 
 from __future__ import annotations
@@ -425,3 +430,15 @@ def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.T
         return out.to(x.dtype)
 
     return run
+
+
+def reports_failed_loads() -> bool:
+    """Ledger 11: whether this vLLM takes per-request KV load failures from a connector."""
+    return not is_vllm_026()
+
+
+def kv_transfer_results(finished_recving: set[str], failed_recving: set[str]):
+    """Ledger 11: a worker connector's completed (and failed) loads as vLLM 0.32 takes them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults(finished_recving=finished_recving, failed_recving=failed_recving)

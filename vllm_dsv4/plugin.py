@@ -14,6 +14,10 @@ MODEL_CLASSES = {
 }
 
 
+# --kv-transfer-config '{"kv_connector": "DSV4Connector", ...}' (vllm_dsv4/connector/connector.py)
+CONNECTOR = ("DSV4Connector", "vllm_dsv4.connector.connector", "DSV4Connector")
+
+
 def register() -> None:
     global _registered
     if _registered:
@@ -30,6 +34,10 @@ def register() -> None:
     register_quantization_config(NAME)(Dsv4CheckpointQuantConfig)
     for arch, target in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, target)  # replaces the in-tree class of the same name
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR[0] not in KVConnectorFactory._registry:  # registered once per process
+        KVConnectorFactory.register_connector(*CONNECTOR)
     compat.patch_model_config_hook()
     compat.patch_mtp_draft_config()
     if not compat.is_vllm_026():

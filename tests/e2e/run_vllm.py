@@ -197,7 +197,8 @@ def main(job_path: str, out_path: str) -> None:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         results = []
         for o in outputs:
-            r = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0}
+            r = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,
+                 "finish_reason": o.outputs[0].finish_reason}
             if want_prompt_logprobs:  # score_last: only the last rows (the teacher-forced positions)
                 r["prompt_logprobs"] = logprob_rows(o.prompt_logprobs[1:][-batch.get("score_last", 0):], vocab,
                                                     sparse=top_k is not None)

@@ -55,7 +55,8 @@ class Component:
     """One cache component of one layer.
 
     ``entry_elems`` elements of ``dtype`` per entry; one entry per ``tokens_per_entry`` tokens.
-    ``window_tokens`` is set for per-token caches of which only the recent window is kept.
+    ``window_tokens`` is set for per-token caches of which only the recent window is kept;
+    ``pool_ratio`` for a compressor state (the tokens one compressed entry pools).
     ``fp8`` is set when entries are FP8 bytes (``dtype`` uint8) that decode to ``fp8.value_dim`` values.
     """
 
@@ -66,6 +67,7 @@ class Component:
     block_tokens: int
     window_tokens: int | None = None
     fp8: Fp8Entry | None = None
+    pool_ratio: int | None = None
 
     @property
     def entry_bytes(self) -> int:
@@ -78,6 +80,18 @@ class Component:
     @property
     def page_bytes(self) -> int:
         return self.entries_per_block * self.entry_bytes
+
+    def resume_start(self, position: int) -> int:
+        """First token whose entry a request resumed at ``position`` (its first token still to compute)
+        reads again: 0 for compressed history; the attention window ``[p - window + 1, p]`` for ``swa``;
+        for a compressor state the open pooling window, and for C4's overlapping windows the previous
+        one too (a window closing at p reads rows ``p - 2m + 1 .. p``)."""
+        if self.window_tokens is None:
+            return 0
+        if self.name == "swa":
+            return max(0, position - self.window_tokens + 1)
+        ratio = self.pool_ratio
+        return max(0, position // ratio * ratio - (self.window_tokens - ratio))
 
 
 def state_elems(ratio: int, head_dim: int) -> int:
@@ -108,16 +122,32 @@ def layer_components(
     comps[main] = Component(main, tokens_per_entry=ratio, block_tokens=compressed_block_tokens,
                             **_entry(cfg.head_dim, kv_dtype, main_fp8))
     comps[f"{main}_state"] = Component(
-        f"{main}_state", state_elems(ratio, cfg.head_dim), torch.float32, 1, state_block, state_window
+        f"{main}_state", state_elems(ratio, cfg.head_dim), torch.float32, 1, state_block, state_window, pool_ratio=ratio
     )
     if ratio == 4:
         index_fp8 = Fp8Entry(cfg.index_head_dim, None) if fp8 else None
         comps["indexer"] = Component("indexer", tokens_per_entry=4, block_tokens=compressed_block_tokens,
                                      **_entry(cfg.index_head_dim, kv_dtype, index_fp8))
         comps["indexer_state"] = Component(
-            "indexer_state", state_elems(4, cfg.index_head_dim), torch.float32, 1, state_block, state_window
+            "indexer_state", state_elems(4, cfg.index_head_dim), torch.float32, 1, state_block, state_window,
+            pool_ratio=4,
         )
     return comps
+
+
+def cache_layer_name(prefix: str, component: str) -> str:
+    """vLLM layer name of ``component``'s cache in the attention module ``prefix``."""
+    return f"{prefix}.{component}_cache"
+
+
+def component_of_layer(cfg: Dsv4Config, layer_name: str, block_tokens: int) -> Component:
+    """The component a cache layer named by :func:`cache_layer_name` holds (dtype-independent fields)."""
+    name = layer_name.rsplit(".", 1)[-1].removesuffix("_cache")
+    ratio = 128 if name.startswith("c128") else 4 if name.startswith(("c4", "indexer")) else 0
+    components = layer_components(cfg, ratio, torch.float32, block_tokens)
+    if name not in components:
+        raise ConfigError(f"{layer_name!r} is not a DeepSeek-V4 cache layer")
+    return components[name]
 
 
 def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tokens: int = 256,

@@ -13,7 +13,7 @@ from torch import nn
 
 from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.kv.layout import fp8_entries, layer_components
+from vllm_dsv4.kv.layout import cache_layer_name, fp8_entries, layer_components
 from vllm_dsv4.model.cache import CacheLayer
 from vllm_dsv4.model.compressor import Compressor, visible_entries
 from vllm_dsv4.model.indexer import Indexer
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         cache_config = vllm_config.cache_config
         components = layer_components(cfg, ratio, kv_dtype, cache_config.block_size,
                                       fp8_entries(cache_config.cache_dtype))
-        caches = {name: CacheLayer(comp, f"{prefix}.{name}_cache", vllm_config) for name, comp in components.items()}
+        caches = {name: CacheLayer(comp, cache_layer_name(prefix, name), vllm_config) for name, comp in components.items()}
         self.swa_cache = caches["swa"]
         self.main_cache = caches.get("c4") or caches.get("c128")
         if ratio:

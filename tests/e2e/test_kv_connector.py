@@ -1,0 +1,120 @@
+"""DSV4Connector end to end: prefill/decode disaggregation and prefix reuse through the entry store,
+and what happens when an entry is damaged. Each engine is its own process (run_vllm.py); the decode
+engines' outputs are checked against transformers on the whole prompt, so a cache component that was
+not moved, or moved to the wrong block, shows up as different tokens or log-probs."""
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, MAX_TOKENS, make_prompts, run_vllm
+from tests.oracle.hf_oracle import load_hf_reference
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 256  # entries at every multiple of the scheduler block, and at a prompt's last token
+LONG, SHORT = make_prompts([600, 300], seed=11)
+PARTIAL = LONG[:300] + make_prompts([50], seed=12)[0]  # shares one chunk with LONG
+
+
+def connector(store: Path, role: str, **options) -> dict:
+    return {"kv_connector": "DSV4Connector", "kv_role": role,
+            "kv_connector_extra_config": {"path": str(store)}, **options}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_ckpt_unquantized) -> Path:
+    """A prefill engine's entries for LONG and SHORT (128-token prefill chunks: saves span steps)."""
+    work = tmp_path_factory.mktemp("kv_prefill")
+    engine = dict(ENGINE, max_num_batched_tokens=128, kv_transfer_config=connector(work / "store", "kv_producer"))
+    run_vllm(work, tiny_ckpt_unquantized, engine, [{"prompts": [LONG, SHORT]}], "prefill", max_tokens=1)
+    return work / "store"
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory, tiny_ckpt_unquantized, store):
+    """A decode engine (prefix caching on) given PARTIAL and SHORT, then LONG, which then extends its
+    local hit on PARTIAL's first block with entries from the store."""
+    engine = dict(ENGINE, max_num_batched_tokens=4096, enable_prefix_caching=True,
+                  kv_transfer_config=connector(store, "kv_consumer"))
+    batches = [{"prompts": [PARTIAL, SHORT], "logprobs": True, "prompt_logprobs": False},
+               {"prompts": [LONG], "logprobs": True, "prompt_logprobs": False}]  # (they would skip every hit)
+    return run_vllm(tmp_path_factory.mktemp("kv_decode"), tiny_ckpt_unquantized, engine, batches, "decode")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt_unquantized):
+    model = load_hf_reference(tiny_ckpt_unquantized)
+
+    def logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0].double()
+        return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+
+    return logprobs
+
+
+def assert_matches_transformers(reference, prompt: list[int], ours: dict) -> None:
+    ref = reference(prompt, ours["tokens"])
+    assert ours["tokens"] == ref.argmax(-1).tolist()  # greedy, position by position
+    assert len(ours["tokens"]) == MAX_TOKENS
+    if "logprobs" in ours:
+        assert (ours["logprobs"] - ref).abs().max() <= LOGIT_TOL
+
+
+def test_prefill_engine_stores_chunks_and_tails(store):
+    assert len(list(store.glob("*.kv"))) == 5  # LONG: 256, 512, 599; SHORT: 256, 299
+
+
+def test_decode_engine_resumes_from_the_store(decoded):
+    cached = [[r["num_cached_tokens"] for r in batch] for batch in decoded["batches"]]
+    # PARTIAL: LONG's first chunk; SHORT: all but its last token; LONG: 256 local + 343 from the store
+    assert cached == [[CHUNK, len(SHORT) - 1], [len(LONG) - 1]]
+
+
+def test_decode_engine_outputs_match_transformers(decoded, reference):
+    for prompt, ours in zip([PARTIAL, SHORT, LONG], decoded["batches"][0] + decoded["batches"][1]):
+        assert_matches_transformers(reference, prompt, ours)
+
+
+def entry_at(store: Path, end: int) -> Path:
+    """The one entry file of ``store`` for resume point ``end`` (read from its header: MAGIC, u64 length, JSON)."""
+    found = []
+    for path in store.glob("*.kv"):
+        data = path.read_bytes()
+        (length,) = struct.unpack_from("<Q", data, 8)
+        if json.loads(data[16 : 16 + length])["end"] == end:
+            found.append(path)
+    assert len(found) == 1, (end, found)
+    return found[0]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny_ckpt_unquantized, store, reference,
+                                                                 policy):
+    damaged = tmp_path / "store"
+    shutil.copytree(store, damaged)
+    altered, cut = entry_at(damaged, 2 * CHUNK), entry_at(damaged, len(SHORT) - 1)
+    data = bytearray(altered.read_bytes())
+    data[-1000] ^= 0xFF
+    altered.write_bytes(data)
+    cut.write_bytes(cut.read_bytes()[:-100])
+    engine = dict(ENGINE, max_num_batched_tokens=4096, enable_prefix_caching=False,
+                  kv_transfer_config=connector(damaged, "kv_consumer", kv_load_failure_policy=policy))
+    result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, [{"prompts": [LONG, SHORT]}, {"prompts": [LONG]}],
+                      "damaged")
+    (long_first, short), (long_again,) = result["batches"]
+    assert "checksum mismatch" in result["log"] and "truncated" in result["log"]
+    assert short["num_cached_tokens"] == CHUNK  # its tail was refused at lookup: the chunk before it
+    assert_matches_transformers(reference, SHORT, short)
+    if policy == "fail":
+        assert long_first["finish_reason"] == "error"
+    else:
+        assert_matches_transformers(reference, LONG, long_first)
+    # the altered entry was dropped: LONG now resumes from its first chunk
+    assert long_again["num_cached_tokens"] == CHUNK
+    assert_matches_transformers(reference, LONG, long_again)

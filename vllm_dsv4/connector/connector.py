@@ -1,0 +1,309 @@
+"""``DSV4Connector``: vLLM KV connector that moves every DeepSeek-V4 cache component of a prefix
+between engines and an entry store (:mod:`.store`): prefill/decode disaggregation through a shared
+store, and CPU (tmpfs) or disk offload of prefixes that outlive the GPU's prefix cache.
+
+    --kv-transfer-config '{"kv_connector": "DSV4Connector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"path": "/dev/shm/dsv4-kv", "max_bytes": 64e9}}'
+
+``kv_producer`` engines save, ``kv_consumer`` engines load, ``kv_both`` do both. The scheduler side
+decides from the token ids which entries a step completes (:func:`.plan.save_ends`) and which a new
+request can resume from (the longest run of present entries); the worker side copies whole cache
+pages of every group by block id: no per-layer hooks, which DeepSeek-V4's own attention never calls.
+Saves are written after the step's forward (``wait_for_save``), so a request's entries are in the
+store before its output is. Loads are asynchronous in vLLM's sense (the request waits one step for
+them) because that is where vLLM takes per-request load failures for models with several KV-cache
+groups: an entry that is missing or fails its checksum when the worker reads it fails that request's
+load, which vLLM then recomputes or fails (``kv_load_failure_policy``) while serving the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_dsv4 import compat
+from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.connector.plan import (
+    Group,
+    PrefixKeys,
+    chunk_tokens,
+    entry_ends,
+    loaded_positions,
+    resume_candidates,
+    save_ends,
+    stored_positions,
+)
+from vllm_dsv4.connector.store import EntryError, EntryStore
+from vllm_dsv4.kv.layout import component_of_layer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+NULL_BLOCK = 0  # vLLM's placeholder block id (window blocks out of the window); never read or written
+
+
+@dataclass
+class Save:
+    """One entry to write: the block ids of its stored positions, per group."""
+
+    end: int
+    key: str
+    block_ids: list[list[int]]
+
+
+@dataclass
+class Load:
+    """One entry to read into a request: per group, (offset within the entry's pages, destination block)."""
+
+    end: int
+    key: str
+    copies: list[list[tuple[int, int]]]
+
+
+@dataclass
+class DSV4ConnectorMetadata(KVConnectorMetadata):
+    saves: list[Save] = field(default_factory=list)
+    loads: dict[str, list[Load]] = field(default_factory=dict)  # request id -> its entries
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    prompt: Any  # its prompt token ids (entries are saved within the prompt)
+    keys: PrefixKeys
+    block_ids: list[list[int]] = field(default_factory=list)
+    lookup: tuple[int, int] | None = None  # (tokens it had, tokens after the load) of its last lookup
+
+
+class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("DSV4Connector needs vLLM's KV-cache configuration (vLLM >= 0.26)")
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config or {}
+        if "path" not in extra:
+            raise ConfigError('DSV4Connector: set kv_connector_extra_config={"path": DIR} (the entry store: '
+                              'a tmpfs such as /dev/shm/... for CPU memory, a disk or shared filesystem directory)')
+        max_bytes = extra.get("max_bytes")
+        self.store = EntryStore(extra["path"], int(float(max_bytes)) if max_bytes else None)
+        self.saves, self.loads = transfer.is_kv_producer, transfer.is_kv_consumer
+        cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
+        self.groups = [
+            Group(g.kv_cache_spec.block_size, tuple(g.layer_names),
+                  tuple(component_of_layer(cfg, name, g.kv_cache_spec.block_size) for name in g.layer_names))
+            for g in kv_cache_config.kv_cache_groups
+        ]
+        self.chunk = chunk_tokens(self.groups)
+        self.fingerprint = _fingerprint(vllm_config, kv_cache_config, extra.get("model_key"))
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        self._pending_loads: dict[str, list[Load]] = {}
+        # worker side
+        self._pages: dict[str, torch.Tensor] = {}
+        self._done_loading: set[str] = set()
+        self._failed_loading: set[str] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.loads or num_computed_tokens % self.chunk:
+            return 0, False
+        r = self._track(request)
+        tokens = request.all_token_ids
+        chunks, tail = resume_candidates(request.num_tokens, self.chunk)
+        end = num_computed_tokens
+        for p in chunks:
+            if p > num_computed_tokens:
+                if not self.store.check(r.keys.key(tokens, p)):
+                    break
+                end = p
+        else:
+            if tail is not None and tail > num_computed_tokens and self.store.check(r.keys.key(tokens, tail)):
+                end = tail
+        r.lookup = (num_computed_tokens, end)
+        return end - num_computed_tokens, end > num_computed_tokens
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        r = self._track(request)
+        if num_external_tokens == 0:
+            return
+        start, end = r.lookup
+        if start + num_external_tokens != end:  # never expected: vLLM trimmed the hit we reported
+            logger.error("DSV4Connector: request %s was given %d external tokens after %d, not the %d "
+                         "its entries hold; its load fails", request.request_id, num_external_tokens, start, end - start)
+            self._pending_loads[request.request_id] = []
+            return
+        block_ids = blocks.get_block_ids()
+        loads = []
+        for e in entry_ends(start, end, self.chunk):
+            copies = []
+            for group, ids in zip(self.groups, block_ids):
+                first = stored_positions(group, e, self.chunk).start
+                copies.append([(p - first, ids[p]) for p in loaded_positions(group, e, start, end, self.chunk)
+                               if ids[p] != NULL_BLOCK])
+            loads.append(Load(e, r.keys.key(request.all_token_ids, e), copies))
+        self._pending_loads[request.request_id] = loads
+
+    def build_connector_meta(self, scheduler_output) -> DSV4ConnectorMetadata:
+        meta = DSV4ConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = {}
+        if not self.saves:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            r = self._requests.get(new.req_id)
+            if r is not None:
+                r.block_ids = [list(ids) for ids in new.block_ids]
+                self._plan_saves(meta, r, new.num_computed_tokens, scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            r = self._requests.get(req_id)
+            if r is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                r.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for ids, more in zip(r.block_ids, new_ids):
+                    ids.extend(more)
+            self._plan_saves(meta, r, cached.num_computed_tokens[i], scheduled[req_id])
+        return meta
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves are written within the step that computes them
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def _track(self, request) -> _Request:
+        r = self._requests.get(request.request_id)
+        if r is None:
+            salt = self.fingerprint + (getattr(request, "cache_salt", None) or "").encode()
+            r = self._requests[request.request_id] = _Request(request.prompt_token_ids, PrefixKeys(salt, self.chunk))
+        return r
+
+    def _plan_saves(self, meta: DSV4ConnectorMetadata, r: _Request, computed: int, scheduled: int) -> None:
+        for e in save_ends(computed, computed + scheduled, len(r.prompt), self.chunk):
+            key = r.keys.key(r.prompt, e)
+            if self.store.contains(key):
+                continue
+            ids = [[group_ids[p] for p in stored_positions(group, e, self.chunk)]
+                   for group, group_ids in zip(self.groups, r.block_ids)]
+            meta.saves.append(Save(e, key, ids))
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [name for g in self.groups for name in g.layers if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"DSV4Connector: vLLM registered no cache for {missing[:3]}")
+        # pages as bytes [num_blocks, page bytes]: what is stored does not depend on the cache dtype
+        self._pages = {}
+        for name in (name for g in self.groups for name in g.layers):
+            view = compat.cache_view(kv_caches[name]).view(torch.uint8)
+            self._pages[name] = view.view(view.shape[0], -1)  # a view of the cache, never a copy
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for req_id, loads in meta.loads.items():
+            try:
+                if not loads:
+                    raise EntryError("no entry holds the tokens vLLM counted as loaded")
+                for load in loads:
+                    self._load(load)
+            except EntryError as e:
+                logger.error("DSV4Connector: KV load for request %s failed: %s", req_id, e)
+                self._failed_loading.add(req_id)
+            self._done_loading.add(req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole pages before the step that uses them
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # saves are whole pages after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if get_tensor_model_parallel_rank() != 0:  # every rank holds the same (replicated) cache
+            return
+        for save in self._get_connector_metadata().saves:
+            self._save(save)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._done_loading = self._done_loading, set()
+        if self._failed_loading and not compat.reports_failed_loads():
+            raise EntryError(f"KV loads failed for {sorted(self._failed_loading)} and this vLLM has no way to "
+                             "recompute them (see the errors above)")
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        failed, self._failed_loading = self._failed_loading, set()
+        _, done = self.get_finished(finished_req_ids)
+        return compat.kv_transfer_results(finished_recving=done or set(), failed_recving=failed)
+
+    def _save(self, save: Save) -> None:
+        parts, groups = [], []
+        for group, ids in zip(self.groups, save.block_ids):
+            index = torch.tensor(ids, dtype=torch.long)
+            pages = [self._pages[name].index_select(0, index.to(self._pages[name].device)).cpu() for name in group.layers]
+            parts += [p.numpy() for p in pages]
+            groups.append({"blocks": len(ids), "layers": list(group.layers), "page_bytes": [p.shape[1] for p in pages]})
+        header = {"format": FORMAT, "fingerprint": self.fingerprint.hex(), "end": save.end, "groups": groups}
+        self.store.write(save.key, header, parts)
+
+    def _load(self, load: Load) -> None:
+        try:
+            self._copy_in(load, *self.store.read(load.key))
+        except EntryError:
+            self.store.discard(load.key)  # computed and saved again by the request that now recomputes it
+            raise
+
+    def _copy_in(self, load: Load, header: dict, payload: memoryview) -> None:
+        if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint.hex():
+            raise EntryError(f"KV entry {self.store.path(load.key)} was written for another model or cache layout")
+        if header["end"] != load.end or len(header["groups"]) != len(self.groups):
+            raise EntryError(f"KV entry {self.store.path(load.key)} holds another resume point")
+        data = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
+        offset = 0
+        for group, stored, copies in zip(self.groups, header["groups"], load.copies):
+            if stored["layers"] != list(group.layers):
+                raise EntryError(f"KV entry {self.store.path(load.key)} has other cache layers")
+            src = torch.tensor([s for s, _ in copies], dtype=torch.long)
+            dst = [d for _, d in copies]
+            for name, page_bytes in zip(group.layers, stored["page_bytes"]):
+                pages = self._pages[name]
+                size = stored["blocks"] * page_bytes
+                if page_bytes != pages.shape[1] or (copies and max(s for s, _ in copies) >= stored["blocks"]):
+                    raise EntryError(f"KV entry {self.store.path(load.key)}: pages of {name} do not fit this cache")
+                if copies:
+                    block = data[offset:offset + size].view(stored["blocks"], page_bytes)
+                    pages[torch.tensor(dst, device=pages.device)] = block[src].to(pages.device)
+                offset += size
+
+
+def _fingerprint(vllm_config, kv_cache_config, model_key: str | None) -> bytes:
+    """What makes two engines' entries interchangeable: the model, its dtype and every cache layer's page."""
+    model_config = vllm_config.model_config
+    description = {
+        "format": FORMAT,
+        "model": model_key or model_config.model,
+        "dtype": str(model_config.dtype),
+        "cache_dtype": vllm_config.cache_config.cache_dtype,
+        "groups": [[g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
+                   for g in kv_cache_config.kv_cache_groups],
+    }
+    return hashlib.blake2b(json.dumps(description, sort_keys=True).encode(), digest_size=16).digest()
