@@ -1,0 +1,94 @@
+"""Prefill/decode demo proxy for two vLLM servers that share a DSV4Connector store.
+
+    # a prefill and a decode engine on one store (a filesystem both hosts mount; /dev/shm on one host)
+    vllm serve deepseek-ai/DeepSeek-V4-Flash --port 8100 --kv-transfer-config \
+      '{"kv_connector":"DSV4Connector","kv_role":"kv_producer","kv_connector_extra_config":{"path":"/dev/shm/kv"}}'
+    vllm serve deepseek-ai/DeepSeek-V4-Flash --port 8200 --kv-transfer-config \
+      '{"kv_connector":"DSV4Connector","kv_role":"kv_consumer","kv_connector_extra_config":{"path":"/dev/shm/kv"}}'
+    python scripts/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Each completion request is sent first to the prefill server with one output token (its engine stores
+the prompt's cache entries before it answers), then unchanged to the decode server, whose answer,
+streamed or not, is the client's: the decode engine loads all but the prompt's last token from the
+store and computes only that one. A prefill server that fails answers the client with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def prefill_body(body: dict) -> dict:
+    """The request as the prefill server gets it: one token, not streamed."""
+    body = dict(body, max_tokens=1, stream=False)
+    body.pop("stream_options", None)
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    return body
+
+
+def make_app(prefill: str, decode: str, timeout: float = 600.0) -> FastAPI:
+    app = FastAPI()
+    client = httpx.AsyncClient(timeout=timeout)
+
+    async def forward(route: str, request: Request) -> Response:
+        body = await request.json()
+        first = await client.post(prefill + route, json=prefill_body(body))
+        if first.status_code != 200:
+            return Response(first.content, first.status_code, media_type="application/json")
+        if not body.get("stream"):
+            answer = await client.post(decode + route, json=body)
+            return Response(answer.content, answer.status_code, media_type="application/json")
+        upstream = await client.send(client.build_request("POST", decode + route, json=body), stream=True)
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), upstream.status_code, media_type="text/event-stream")
+
+    def handler(route: str):
+        async def handle(request: Request) -> Response:
+            return await forward(route, request)
+
+        return handle
+
+    for route in ROUTES:
+        app.post(route)(handler(route))
+
+    @app.get("/health")
+    async def health() -> Response:
+        answers = [await client.get(base + "/health") for base in (prefill, decode)]
+        ok = all(a.status_code == 200 for a in answers)
+        return JSONResponse({"prefill": answers[0].status_code, "decode": answers[1].status_code}, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        answer = await client.get(decode + "/v1/models")
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", required=True, help="base URL of the kv_producer server")
+    ap.add_argument("--decode", required=True, help="base URL of the kv_consumer server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    uvicorn.run(make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

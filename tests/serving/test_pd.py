@@ -1,0 +1,94 @@
+"""Disaggregated prefill as users run it: a kv_producer and a kv_consumer OpenAI server sharing a
+DSV4Connector store, behind scripts/pd_proxy.py. The decode server's answers are checked against
+transformers' greedy continuation, and its metrics show it took the prompt from the store."""
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from tests.e2e.test_generate import make_prompts
+from tests.oracle.hf_oracle import load_hf_reference
+from tests.serving.conftest import ENGINE_FLAGS, free_port, stop, vllm_server, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = make_prompts([600], seed=21)[0]
+MAX_TOKENS = 16
+
+
+def server_args(ckpt, store, role: str) -> list[str]:
+    kv = {"kv_connector": "DSV4Connector", "kv_role": role, "kv_connector_extra_config": {"path": str(store)}}
+    return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), *ENGINE_FLAGS,
+            "--kv-transfer-config", json.dumps(kv)]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_ckpt_unquantized, tmp_path_factory):
+    work = tmp_path_factory.mktemp("pd")
+    store, env = work / "store", {"VLLM_PLUGINS": "vllm_dsv4"}
+    with vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_producer"), work, env) as (prefill, _), \
+            vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_consumer"), work, env) as (decode, _):
+        port = free_port()
+        log_path = work / "proxy.log"
+        with open(log_path, "wb") as log:
+            proxy = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "pd_proxy.py"), "--prefill", prefill,
+                                      "--decode", decode, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            yield wait_healthy(proxy, f"http://127.0.0.1:{port}", log_path), decode, store
+        finally:
+            stop(proxy)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_ckpt_unquantized) -> list[int]:
+    model = load_hf_reference(tiny_ckpt_unquantized)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False)
+    return out[0, len(PROMPT):].tolist()
+
+
+def complete(base: str, **extra) -> httpx.Response:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    return httpx.post(base + "/v1/completions", json=body, timeout=300)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_decode_through_the_proxy_matches_transformers(pd, greedy):
+    proxy, decode, store = pd
+    answer = complete(proxy)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == greedy
+    assert len(list(store.glob("*.kv"))) == 3  # chunks at 256 and 512, the tail at 599
+    assert metric(decode, "vllm:external_prefix_cache_hits_total") == len(PROMPT) - 1
+
+
+def test_streamed_decode_through_the_proxy(pd):
+    proxy, _, _ = pd
+    whole = complete(proxy).json()["choices"][0]["text"]
+    with httpx.stream("POST", proxy + "/v1/completions", timeout=300,
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as answer:
+        events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
+
+
+def test_a_bad_request_gets_the_prefill_servers_error(pd):
+    proxy, _, _ = pd
+    answer = complete(proxy, prompt=list(range(5000)))  # longer than max_model_len
+    assert answer.status_code == 400 and "maximum" in answer.text.lower()
+    assert complete(proxy).status_code == 200  # still serving
