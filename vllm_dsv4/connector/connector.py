@@ -241,7 +241,10 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         if get_tensor_model_parallel_rank() != 0:  # every rank holds the same (replicated) cache
             return
         for save in self._get_connector_metadata().saves:
-            self._save(save)
+            try:
+                self._save(save)
+            except OSError as e:  # a full or read-only store: later requests recompute this prefix
+                logger.error("DSV4Connector: could not save KV entry %s (%s)", self.store.path(save.key), e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done, self._done_loading = self._done_loading, set()
@@ -268,9 +271,11 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
     def _load(self, load: Load) -> None:
         try:
             self._copy_in(load, *self.store.read(load.key))
-        except EntryError:
+        except (EntryError, KeyError, TypeError, ValueError, RuntimeError) as e:
             self.store.discard(load.key)  # computed and saved again by the request that now recomputes it
-            raise
+            if isinstance(e, EntryError):
+                raise
+            raise EntryError(f"KV entry {self.store.path(load.key)} does not match its header ({e!r})") from e
 
     def _copy_in(self, load: Load, header: dict, payload: memoryview) -> None:
         if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint.hex():

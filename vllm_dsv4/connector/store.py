@@ -72,11 +72,15 @@ class EntryStore:
         header = dict(header, payload_bytes=sum(p.nbytes for p in parts), crc32=_crc32(parts))
         head = json.dumps(header, sort_keys=True).encode()
         tmp = self.root / f".{key}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
-            for p in parts:
-                f.write(p)
-        os.replace(tmp, self.path(key))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+                for p in parts:
+                    f.write(p)
+            os.replace(tmp, self.path(key))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         size = len(MAGIC) + 8 + len(head) + header["payload_bytes"]
         if self.max_bytes:
             self._bytes += size
