@@ -14,6 +14,8 @@
 #                                      # allocations (three engine runs): tell run-to-run variation and
 #                                      # reads of unwritten memory from replay errors when `graphs` fails
 #   scripts/gpu_check.sh mtp           # MTP speculative decoding (k = 1, 2) vs transformers: draft log-probs, greedy outputs
+#   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
+#                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
@@ -81,6 +83,14 @@ case "${1:-unit}" in
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
+  connector)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/kv/test_connector_plan.py \
+      tests/kv/test_entry_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1
+    summary "$LOG_DIR/connector.log"
+    flash_checkpoint
+    timeout "$LIMIT" python scripts/bench_connector.py --ckpt "$FLASH" --lens 8192 32768 --batch 1 \
+      --engine '{"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}' > "$LOG_DIR/bench_connector.log" 2>&1
+    tail -8 "$LOG_DIR/bench_connector.log" ;;
   bench-kernels)  # per-op table; wo_a and the experts against the other implementation the model can run
     timeout "$LIMIT" python scripts/bench_kernels.py > "$LOG_DIR/bench_kernels.log" 2>&1; tail -45 "$LOG_DIR/bench_kernels.log" ;;
   bench-plugin | bench-intree)
