@@ -16,21 +16,24 @@ from tests.oracle.hf_oracle import load_hf_reference
 
 pytestmark = pytest.mark.e2e
 
-CHUNK = 256  # entries at every multiple of the scheduler block, and at a prompt's last token
+CHUNK = 256  # the scheduler block: history entries at its multiples
 LONG, SHORT = make_prompts([600, 300], seed=11)
 PARTIAL = LONG[:300] + make_prompts([50], seed=12)[0]  # shares one chunk with LONG
+NEXT_TURN = SHORT + make_prompts([40], seed=13)[0]  # a conversation's next prompt extends the last
 
 
-def connector(store: Path, role: str, **options) -> dict:
-    return {"kv_connector": "DSV4Connector", "kv_role": role,
-            "kv_connector_extra_config": {"path": str(store)}, **options}
+def connector(store: Path, role: str, window_every: int | None = None, **options) -> dict:
+    extra = {"path": str(store)} | ({"window_every": window_every} if window_every else {})
+    return {"kv_connector": "DSV4Connector", "kv_role": role, "kv_connector_extra_config": extra, **options}
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_ckpt_unquantized) -> Path:
-    """A prefill engine's entries for LONG and SHORT (128-token prefill chunks: saves span steps)."""
+    """A prefill engine's entries for LONG and SHORT (128-token prefill chunks: saves span steps; window
+    entries at every chunk boundary, not only at the prompts' last tokens)."""
     work = tmp_path_factory.mktemp("kv_prefill")
-    engine = dict(ENGINE, max_num_batched_tokens=128, kv_transfer_config=connector(work / "store", "kv_producer"))
+    engine = dict(ENGINE, max_num_batched_tokens=128,
+                  kv_transfer_config=connector(work / "store", "kv_producer", window_every=CHUNK))
     run_vllm(work, tiny_ckpt_unquantized, engine, [{"prompts": [LONG, SHORT]}], "prefill", max_tokens=1)
     return work / "store"
 
@@ -38,11 +41,13 @@ def store(tmp_path_factory, tiny_ckpt_unquantized) -> Path:
 @pytest.fixture(scope="module")
 def decoded(tmp_path_factory, tiny_ckpt_unquantized, store):
     """A decode engine (prefix caching on) given PARTIAL and SHORT, then LONG, which then extends its
-    local hit on PARTIAL's first block with entries from the store."""
+    local hit on PARTIAL's first block with entries from the store, then NEXT_TURN, which resumes where
+    SHORT's prompt ended."""
     engine = dict(ENGINE, max_num_batched_tokens=4096, enable_prefix_caching=True,
                   kv_transfer_config=connector(store, "kv_consumer"))
     batches = [{"prompts": [PARTIAL, SHORT], "logprobs": True, "prompt_logprobs": False},
-               {"prompts": [LONG], "logprobs": True, "prompt_logprobs": False}]  # (they would skip every hit)
+               {"prompts": [LONG], "logprobs": True, "prompt_logprobs": False},  # (they would skip every hit)
+               {"prompts": [NEXT_TURN], "logprobs": True, "prompt_logprobs": False}]
     return run_vllm(tmp_path_factory.mktemp("kv_decode"), tiny_ckpt_unquantized, engine, batches, "decode")
 
 
@@ -66,25 +71,35 @@ def assert_matches_transformers(reference, prompt: list[int], ours: dict) -> Non
         assert (ours["logprobs"] - ref).abs().max() <= LOGIT_TOL
 
 
-def test_prefill_engine_stores_chunks_and_tails(store):
-    assert len(list(store.glob("*.kv"))) == 5  # LONG: 256, 512, 599; SHORT: 256, 299
+def history_entries(store: Path) -> list[Path]:
+    return list(store.glob("*.kv"))  # window entries live in a folder named by their prefix
+
+
+def window_entries(store: Path) -> list[Path]:
+    return list(store.glob("*/*.kv"))
+
+
+def test_prefill_engine_stores_history_and_window_entries(store):
+    assert len(history_entries(store)) == 3  # LONG: 256, 512; SHORT: 256
+    assert len(window_entries(store)) == 5  # LONG: 256, 512, 599; SHORT: 256, 299
 
 
 def test_decode_engine_resumes_from_the_store(decoded):
     cached = [[r["num_cached_tokens"] for r in batch] for batch in decoded["batches"]]
-    # PARTIAL: LONG's first chunk; SHORT: all but its last token; LONG: 256 local + 343 from the store
-    assert cached == [[CHUNK, len(SHORT) - 1], [len(LONG) - 1]]
+    # PARTIAL: LONG's first chunk; SHORT: all but its last token; LONG: 256 local + 343 from the store;
+    # NEXT_TURN: 256 local + SHORT's window entry
+    assert cached == [[CHUNK, len(SHORT) - 1], [len(LONG) - 1], [len(SHORT) - 1]]
 
 
 def test_decode_engine_outputs_match_transformers(decoded, reference):
-    for prompt, ours in zip([PARTIAL, SHORT, LONG], decoded["batches"][0] + decoded["batches"][1]):
+    for prompt, ours in zip([PARTIAL, SHORT, LONG, NEXT_TURN], sum(decoded["batches"], [])):
         assert_matches_transformers(reference, prompt, ours)
 
 
-def entry_at(store: Path, end: int) -> Path:
-    """The one entry file of ``store`` for resume point ``end`` (read from its header: MAGIC, u64 length, JSON)."""
+def entry_at(entries: list[Path], end: int) -> Path:
+    """The one file of ``entries`` for resume point ``end`` (read from its header: MAGIC, u64 length, JSON)."""
     found = []
-    for path in store.glob("*.kv"):
+    for path in entries:
         data = path.read_bytes()
         (length,) = struct.unpack_from("<Q", data, 8)
         if json.loads(data[16 : 16 + length])["end"] == end:
@@ -98,7 +113,7 @@ def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny
                                                                  policy):
     damaged = tmp_path / "store"
     shutil.copytree(store, damaged)
-    altered, cut = entry_at(damaged, 2 * CHUNK), entry_at(damaged, len(SHORT) - 1)
+    altered, cut = entry_at(history_entries(damaged), 2 * CHUNK), entry_at(window_entries(damaged), len(SHORT) - 1)
     data = bytearray(altered.read_bytes())
     data[-1000] ^= 0xFF
     altered.write_bytes(data)
@@ -109,13 +124,13 @@ def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny
                       "damaged")
     (long_first, short), (long_again,) = result["batches"]
     assert "checksum mismatch" in result["log"] and "truncated" in result["log"]
-    assert short["num_cached_tokens"] == CHUNK  # its tail was refused at lookup: the chunk before it
+    assert short["num_cached_tokens"] == CHUNK  # its tail was refused at lookup: the window entry before it
     assert_matches_transformers(reference, SHORT, short)
     if policy == "fail":
         assert long_first["finish_reason"] == "error"
     else:
         assert_matches_transformers(reference, LONG, long_first)
-    # the altered entry was dropped: LONG now resumes from its first chunk
+    # the altered history entry was dropped: LONG now resumes at the window entry before it
     assert long_again["num_cached_tokens"] == CHUNK
     assert_matches_transformers(reference, LONG, long_again)
 
@@ -134,7 +149,7 @@ def test_tensor_parallel_engine_saves_once_and_every_rank_loads(tmp_path, tiny_c
     result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, [{"prompts": [SHORT]}, {"prompts": [SHORT]}], "tp2",
                       env)
     (first,), (second,) = result["batches"]
-    assert sorted(p.name.endswith(".kv") for p in (tmp_path / "store").iterdir()) == [True, True]  # 256, 299
+    assert (len(history_entries(tmp_path / "store")), len(window_entries(tmp_path / "store"))) == (1, 1)  # 256; 299
     assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, len(SHORT) - 1)
     for ours in (first, second):
         assert_matches_transformers(reference, SHORT, ours)

@@ -1,5 +1,6 @@
 """The connector's plan (vllm_dsv4/connector/plan.py): which blocks an entry stores, which a resume
-loads, which entries a step saves, and the keys; checked against brute-force enumerations."""
+loads, which entries a step saves, where a request resumes, and the keys; checked against brute-force
+enumerations."""
 
 import random
 
@@ -11,11 +12,12 @@ from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
     chunk_tokens,
-    entry_ends,
-    loaded_positions,
-    resume_candidates,
+    history_ends,
+    history_positions,
+    loaded_window_positions,
+    resume_point,
     save_ends,
-    stored_positions,
+    window_positions,
 )
 from tests.conftest import load_make_checkpoint
 from vllm_dsv4.kv.layout import layer_components
@@ -61,54 +63,81 @@ def test_chunk_is_the_lcm_of_the_block_sizes():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_resume_loads_exactly_the_blocks_it_reads_from_entries_that_store_them(seed):
+def test_a_resume_loads_exactly_the_blocks_it_reads(seed):
+    """History entries in (start, end] and the window entry at end: each block position the resumed
+    request reads (all history from ``start``, window rows from ``first_read``) exactly once."""
     rng = random.Random(seed)
     for _ in range(50):
         start = rng.randrange(0, 4) * CHUNK
         end = rng.randrange(start + 1, start + 3 * CHUNK)
         for g in groups():
             b = g.block_tokens
-            loaded = []
-            for e in entry_ends(start, end, CHUNK):
-                got = loaded_positions(g, e, start, end, CHUNK)
-                assert set(got) <= set(stored_positions(g, e, CHUNK))
-                loaded += list(got)
+            loaded = [p for h in history_ends(start, end, CHUNK) for p in history_positions(g, h, CHUNK)]
+            window = loaded_window_positions(g, start, end, CHUNK)
+            assert set(window) <= set(window_positions(g, end, CHUNK))
             first = start if g.history else max(start, g.first_read(end))
-            assert sorted(loaded) == list(range(first // b, -(-end // b))), (start, end, g.block_tokens)
+            assert sorted(loaded + list(window)) == list(range(first // b, -(-end // b))), (start, end, b)
+
+
+WINDOW_EVERY = 4 * CHUNK
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_a_prompt_computed_in_any_steps_saves_every_resume_point_once(seed):
+def test_a_prompt_computed_in_any_steps_saves_each_entry_once(seed):
     rng = random.Random(seed)
     for _ in range(50):
-        prompt = rng.randrange(1, 1500)
-        computed, saved = rng.randrange(0, prompt // CHUNK + 1) * CHUNK, []  # maybe after a hit
-        first = computed
+        prompt = rng.randrange(1, 3000)
+        computed = rng.randrange(0, prompt // CHUNK + 1) * CHUNK  # maybe after a hit
+        first, history, windows = computed, [], []
         while computed < prompt + 3:  # then a few decode steps
             step = rng.randrange(1, 600)
-            saved += save_ends(computed, computed + step, prompt, CHUNK)
+            h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
+            history, windows = history + h, windows + w
             computed += step
-        chunks, tail = resume_candidates(prompt, CHUNK)
-        expected = [p for p in chunks if p > first] + ([tail] if tail is not None and tail > first else [])
-        if prompt % CHUNK == 0 and prompt > first:
-            expected.append(prompt)  # a whole last chunk is stored too (a longer prompt can resume there)
-        assert sorted(saved) == sorted(expected), (prompt, first)
+        assert history == [e for e in range(CHUNK, prompt + 1, CHUNK) if e > first]
+        expected = {e for e in range(WINDOW_EVERY, prompt + 1, WINDOW_EVERY) if e > first}
+        expected |= {prompt - 1} if prompt - 1 > first else set()
+        assert sorted(windows) == sorted(expected - {0}), (prompt, first)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_resume_point_is_the_furthest_window_entry_over_whole_history(seed):
+    """Against every candidate end checked one by one: an end counts if it is a stored window entry
+    and every history entry up to it is stored."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        num_tokens = rng.randrange(2, 2000)
+        start = rng.randrange(0, (num_tokens - 1) // CHUNK + 1) * CHUNK
+        history = {h for h in range(CHUNK, 2200, CHUNK) if rng.random() < 0.8}
+        windows = {e for e in range(1, 2200) if rng.random() < 0.01}
+        got = resume_point(start, num_tokens, CHUNK, history.__contains__,
+                           lambda b: [e for e in windows if b <= e < b + CHUNK])
+        usable = [e for e in windows if start < e <= num_tokens - 1
+                  and all(h in history for h in range(start + CHUNK, e + 1, CHUNK))]
+        assert got == max(usable, default=start)
 
 
 def test_keys_name_one_prefix():
     rng = random.Random(0)
     tokens = [rng.randrange(1000) for _ in range(900)]
-    keys = PrefixKeys(b"model", CHUNK)
     ends = [256, 512, 300, 599, 1, 768]
-    first = {e: keys.key(tokens, e) for e in ends}
-    assert len(set(first.values())) == len(ends)
-    fresh = PrefixKeys(b"model", CHUNK)
-    assert {e: fresh.key(tokens, e) for e in reversed(ends)} == first  # independent of the order asked
-    other = tokens[:599] + [t + 1 for t in tokens[599:]]  # same first 599 tokens, different after
-    assert all(PrefixKeys(b"model", CHUNK).key(other, e) == first[e] for e in ends if e <= 599)
-    for changed in (0, 255, 256, 400):
+
+    def all_keys(k: PrefixKeys, toks, order=ends):
+        out = {}
+        for e in order:
+            out["w", e] = k.window_key(toks, e)
+            if e % CHUNK == 0:
+                out["h", e] = k.history_key(toks, e)
+        return out
+
+    first = all_keys(PrefixKeys(b"model", CHUNK), tokens)
+    assert len(set(first.values())) == len(first)
+    assert all_keys(PrefixKeys(b"model", CHUNK), tokens, ends[::-1]) == first  # independent of the order asked
+    for e in ends:  # a window entry is listed under its last chunk boundary's chain hash
+        assert first["w", e].split("/")[0] == PrefixKeys(b"model", CHUNK).window_dir(tokens, e // CHUNK * CHUNK)
+    for changed in (0, 255, 256, 400, 599):
         edited = list(tokens)
         edited[changed] += 1
-        k = PrefixKeys(b"model", CHUNK)
-        assert all((k.key(edited, e) == first[e]) == (e <= changed) for e in ends)
-    assert PrefixKeys(b"other model", CHUNK).key(tokens, 256) != first[256]
+        again = all_keys(PrefixKeys(b"model", CHUNK), edited)
+        assert all((again[kind, e] == first[kind, e]) == (e <= changed) for kind, e in first), changed
+    assert PrefixKeys(b"other model", CHUNK).history_key(tokens, 256) != first["h", 256]

@@ -66,3 +66,11 @@ def test_the_budget_evicts_least_recently_used_entries(tmp_path):
     kept = sorted(p.stem for p in tmp_path.glob("*.kv"))
     assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) <= 0.9 * store.max_bytes
     assert "k0" in kept and "k5" in kept and "k1" not in kept
+
+
+def test_keys_in_folders_are_listed_by_folder(tmp_path):
+    store = EntryStore(tmp_path)
+    for key in ("a/1-x", "a/2-y", "b"):
+        store.write(key, {}, [payload(0, 10)])
+    assert sorted(store.list("a")) == ["a/1-x", "a/2-y"] and store.list("missing") == []
+    assert store.check("a/2-y") and store.read("a/1-x")[0]["payload_bytes"] == 10

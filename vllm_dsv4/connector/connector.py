@@ -5,9 +5,10 @@ store, and CPU (tmpfs) or disk offload of prefixes that outlive the GPU's prefix
     --kv-transfer-config '{"kv_connector": "DSV4Connector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"path": "/dev/shm/dsv4-kv", "max_bytes": 64e9}}'
 
-``kv_producer`` engines save, ``kv_consumer`` engines load, ``kv_both`` do both. The scheduler side
-decides from the token ids which entries a step completes (:func:`.plan.save_ends`) and which a new
-request can resume from (the longest run of present entries); the worker side copies whole cache
+``kv_producer`` engines save, ``kv_consumer`` engines load, ``kv_both`` do both;
+``window_every`` (tokens, default 8192) spaces the window entries of a prompt (:mod:`.plan`). The
+scheduler side decides from the token ids which entries a step completes (:func:`.plan.save_ends`) and
+where a new request can resume (:func:`.plan.resume_point`); the worker side copies whole cache
 pages of every group by block id: no per-layer hooks, which DeepSeek-V4's own attention never calls.
 Saves are written after the step's forward (``wait_for_save``), so a request's entries are in the
 store before its output is. Loads are asynchronous in vLLM's sense (the request waits one step for
@@ -39,11 +40,12 @@ from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
     chunk_tokens,
-    entry_ends,
-    loaded_positions,
-    resume_candidates,
+    history_ends,
+    history_positions,
+    loaded_window_positions,
+    resume_point,
     save_ends,
-    stored_positions,
+    window_positions,
 )
 from vllm_dsv4.connector.store import EntryError, EntryStore
 from vllm_dsv4.kv.layout import component_of_layer
@@ -51,6 +53,7 @@ from vllm_dsv4.kv.layout import component_of_layer
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+DEFAULT_WINDOW_EVERY = 8192  # tokens between the window entries of a prompt (module plan.py)
 NULL_BLOCK = 0  # vLLM's placeholder block id (window blocks out of the window); never read or written
 
 
@@ -108,6 +111,10 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             for g in kv_cache_config.kv_cache_groups
         ]
         self.chunk = chunk_tokens(self.groups)
+        self.window_every = int(extra.get("window_every", DEFAULT_WINDOW_EVERY))
+        if self.window_every <= 0 or self.window_every % self.chunk:
+            raise ConfigError(f"DSV4Connector: window_every={self.window_every} must be a positive multiple of "
+                              f"{self.chunk} tokens (the KV-cache block)")
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, extra.get("model_key"))
         # scheduler side
         self._requests: dict[str, _Request] = {}
@@ -124,16 +131,16 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         r = self._track(request)
         tokens = request.all_token_ids
-        chunks, tail = resume_candidates(request.num_tokens, self.chunk)
-        end = num_computed_tokens
-        for p in chunks:
-            if p > num_computed_tokens:
-                if not self.store.check(r.keys.key(tokens, p)):
-                    break
-                end = p
-        else:
-            if tail is not None and tail > num_computed_tokens and self.store.check(r.keys.key(tokens, tail)):
-                end = tail
+
+        def window_ends(boundary: int):
+            names = set(self.store.list(r.keys.window_dir(tokens, boundary)))
+            for name in names:  # "<dir>/<offset>-<hash>": the hash must be of this request's tokens
+                end = boundary + int(name.rsplit("/", 1)[1].split("-", 1)[0])
+                if end <= len(tokens) and r.keys.window_key(tokens, end) == name and self.store.check(name):
+                    yield end
+
+        end = resume_point(num_computed_tokens, request.num_tokens, self.chunk,
+                           lambda h: self.store.check(r.keys.history_key(tokens, h)), window_ends)
         r.lookup = (num_computed_tokens, end)
         return end - num_computed_tokens, end > num_computed_tokens
 
@@ -147,15 +154,19 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
                          "its entries hold; its load fails", request.request_id, num_external_tokens, start, end - start)
             self._pending_loads[request.request_id] = []
             return
-        block_ids = blocks.get_block_ids()
+        ids = blocks.get_block_ids()
+        tokens = request.all_token_ids
         loads = []
-        for e in entry_ends(start, end, self.chunk):
-            copies = []
-            for group, ids in zip(self.groups, block_ids):
-                first = stored_positions(group, e, self.chunk).start
-                copies.append([(p - first, ids[p]) for p in loaded_positions(group, e, start, end, self.chunk)
-                               if ids[p] != NULL_BLOCK])
-            loads.append(Load(e, r.keys.key(request.all_token_ids, e), copies))
+        for h in history_ends(start, end, self.chunk):
+            loads.append(Load(h, r.keys.history_key(tokens, h), [
+                [(i, group_ids[p]) for i, p in enumerate(history_positions(group, h, self.chunk))]
+                for group, group_ids in zip(self.groups, ids)]))
+        copies = []
+        for group, group_ids in zip(self.groups, ids):
+            first = window_positions(group, end, self.chunk).start
+            copies.append([(p - first, group_ids[p]) for p in loaded_window_positions(group, start, end, self.chunk)
+                           if group_ids[p] != NULL_BLOCK])
+        loads.append(Load(end, r.keys.window_key(tokens, end), copies))
         self._pending_loads[request.request_id] = loads
 
     def build_connector_meta(self, scheduler_output) -> DSV4ConnectorMetadata:
@@ -198,13 +209,14 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         return r
 
     def _plan_saves(self, meta: DSV4ConnectorMetadata, r: _Request, computed: int, scheduled: int) -> None:
-        for e in save_ends(computed, computed + scheduled, len(r.prompt), self.chunk):
-            key = r.keys.key(r.prompt, e)
-            if self.store.contains(key):
-                continue
-            ids = [[group_ids[p] for p in stored_positions(group, e, self.chunk)]
-                   for group, group_ids in zip(self.groups, r.block_ids)]
-            meta.saves.append(Save(e, key, ids))
+        history, windows = save_ends(computed, computed + scheduled, len(r.prompt), self.chunk, self.window_every)
+        for ends, key_of, positions in ((history, r.keys.history_key, history_positions),
+                                        (windows, r.keys.window_key, window_positions)):
+            for e in ends:
+                key = key_of(r.prompt, e)
+                if not self.store.contains(key):
+                    meta.saves.append(Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
+                                                    for group, ids in zip(self.groups, r.block_ids)]))
 
     # ------------------------------------------------------------------ worker side
 

@@ -1,26 +1,30 @@
 """What the KV connector stores and loads, as block positions of vLLM's KV-cache groups (no I/O, no vLLM).
 
-A request can resume at token ``P`` (its first token still to compute) from its caches' state after
-``P`` tokens. The store keeps *entries*, each the state needed at one resume point ``end``:
-- a *chunk entry* at every multiple of the chunk ``C`` (the lcm of the groups' block sizes, vLLM's
-  scheduler block) and a *tail entry* at a prompt's last token (``P = L - 1``: what a decode instance
-  of prefill/decode disaggregation resumes at);
-- for a full-history group, the blocks of the tokens since the previous chunk boundary: the entries
-  of every chunk before ``end`` together hold all the history;
-- for a window group, the blocks from the first token a resumed request reads again
-  (``Component.resume_start``: the attention window, the compressor's open pooling windows) to ``end``.
+A request resumes at token ``E`` (its first token still to compute) from its caches' state after ``E``
+tokens. With ``C`` the chunk (the lcm of the groups' block sizes, vLLM's scheduler block) the store
+keeps two kinds of entries:
+- a *history entry* at every multiple ``h`` of ``C`` within a prompt: the full-history groups' blocks of
+  tokens ``[h - C, h)`` (compressed KV, indexer keys). Together they hold the whole history, once.
+- a *window entry* at a resume point ``E``: what else resuming at ``E`` reads, the window groups' blocks
+  from the first token it reads again (``Component.resume_start``: the attention window, the
+  compressor's open pooling windows) and the history since the last multiple of ``C``. Saved at every
+  multiple of the ``window_every`` interval (prefix reuse at that granularity) and at every prompt's
+  last token ``L - 1`` (where a decode engine of prefill/decode disaggregation resumes; also where a
+  later prompt that extends this one, the next turn of a conversation, can resume).
 
-Entries are keyed by a hash chain over the token ids (:class:`PrefixKeys`), so equal prefixes meet
-across requests, engines and restarts, and a key names one prefix of one model configuration.
+Windows are most of an entry's bytes (V4-Flash, FP8: 4.1 MB per resume point against 1 MB of history
+per 256 tokens), hence their sparser interval. A resume at ``E`` from ``S`` tokens of local prefix
+cache reads the history entries in ``(S, E]`` and the window entry at ``E``. Keys chain hashes of the
+token ids (:class:`PrefixKeys`), so equal prefixes meet across requests, engines and restarts.
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
 import math
+from array import array
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from vllm_dsv4.kv.layout import Component
 
@@ -46,66 +50,88 @@ def chunk_tokens(groups: Sequence[Group]) -> int:
     return math.lcm(*(g.block_tokens for g in groups))
 
 
-def entry_ends(start: int, end: int, chunk: int) -> list[int]:
-    """The entries a request that has ``start`` tokens (a multiple of ``chunk``) reads to resume at ``end``."""
-    ends = list(range(start + chunk, end + 1, chunk))
-    return ends + [end] if end % chunk else ends
-
-
-def stored_positions(group: Group, end: int, chunk: int) -> range:
-    """Block positions (token // block size) of ``group`` that the entry at ``end`` holds."""
+def history_positions(group: Group, end: int, chunk: int) -> range:
+    """Block positions (token // block size) of ``group`` in the history entry at ``end``."""
     b = group.block_tokens
-    first = (end - 1) // chunk * chunk if group.history else group.first_read(end)
-    return range(first // b, -(-end // b))
+    return range((end - chunk) // b, end // b) if group.history else range(0)
 
 
-def loaded_positions(group: Group, entry_end: int, start: int, end: int, chunk: int) -> range:
-    """The positions a request with ``start`` tokens takes from the entry at ``entry_end`` to resume at
-    ``end``: every stored history block, window blocks from the last entry only; none below ``start``
-    (they are the request's own, maybe shared, prefix-cache blocks)."""
-    if not group.history and entry_end != end:
-        return range(0)
-    stored = stored_positions(group, entry_end, chunk)
+def window_positions(group: Group, end: int, chunk: int) -> range:
+    """Block positions of ``group`` in the window entry at ``end``."""
+    first = end // chunk * chunk if group.history else group.first_read(end)
+    return range(first // group.block_tokens, -(-end // group.block_tokens))
+
+
+def history_ends(start: int, end: int, chunk: int) -> range:
+    """The history entries a request with ``start`` tokens (a multiple of ``chunk``) reads to resume at ``end``."""
+    return range(start + chunk, end + 1, chunk)
+
+
+def resume_point(start: int, num_tokens: int, chunk: int, has_history: Callable[[int], bool],
+                 window_ends: Callable[[int], Iterable[int]]) -> int:
+    """The furthest token a request of ``num_tokens`` tokens with ``start`` in its caches (a multiple of
+    ``chunk``) can resume at; it computes at least its last token. ``has_history(h)``: the history entry
+    at ``h`` is stored; ``window_ends(b)``: ends of the stored window entries of this request's tokens
+    that extend the chunk boundary ``b`` (ends in ``[b, b + chunk)``)."""
+    last, reach = num_tokens - 1, start
+    while reach + chunk <= last and has_history(reach + chunk):
+        reach += chunk
+    for boundary in range(reach, start - 1, -chunk):  # the furthest boundary with a window entry wins
+        ends = [e for e in window_ends(boundary) if start < e <= last]
+        if ends:
+            return max(ends)
+    return start
+
+
+def loaded_window_positions(group: Group, start: int, end: int, chunk: int) -> range:
+    """The window entry's positions a request with ``start`` tokens takes: none below ``start`` (its own,
+    maybe shared, prefix-cache blocks)."""
+    stored = window_positions(group, end, chunk)
     return range(max(stored.start, start // group.block_tokens), stored.stop)
 
 
-def save_ends(computed: int, computed_after: int, num_prompt_tokens: int, chunk: int) -> list[int]:
-    """The entries a request's step that takes it from ``computed`` to ``computed_after`` tokens
-    completes: chunk boundaries within the prompt, and the prompt's tail once the whole prompt is in."""
+def save_ends(computed: int, computed_after: int, num_prompt_tokens: int, chunk: int,
+              window_every: int) -> tuple[list[int], list[int]]:
+    """The history and the window entries a step taking a request from ``computed`` to ``computed_after``
+    tokens completes within its prompt of ``num_prompt_tokens``."""
     last = min(computed_after, num_prompt_tokens)
-    ends = list(range((computed // chunk + 1) * chunk, last + 1, chunk))
+    history = list(range((computed // chunk + 1) * chunk, last + 1, chunk))
+    windows = list(range((computed // window_every + 1) * window_every, last + 1, window_every))
     tail = num_prompt_tokens - 1
-    if computed < num_prompt_tokens <= computed_after and tail > 0 and tail % chunk:
-        ends.append(tail)
-    return ends
-
-
-def resume_candidates(num_tokens: int, chunk: int) -> tuple[list[int], int | None]:
-    """Chunk boundaries a request of ``num_tokens`` tokens can resume at (it computes at least its last
-    token), and its tail position when that is not one of them."""
-    last = num_tokens - 1
-    return list(range(chunk, last + 1, chunk)), (last if last > 0 and last % chunk else None)
+    if computed < num_prompt_tokens <= computed_after and tail > 0 and tail % window_every:
+        windows.append(tail)
+    return history, windows
 
 
 @dataclass
 class PrefixKeys:
-    """Store keys of one token sequence's resume points: ``chain[k]`` hashes the first ``k`` chunks
-    (extended on demand), a tail key hashes its last chunk boundary's key with the tokens after it."""
+    """Store keys of one token sequence: ``chain[k]`` hashes the first ``k`` chunks (extended on demand).
+    A history entry's key is its chain hash; a window entry's, ``<chain hash of its last boundary>/
+    <offset>-<hash of the tokens since>``, so the window entries that extend a prefix are listed by it."""
 
     salt: bytes
     chunk: int
     chain: list[bytes] = field(default_factory=list)
 
-    def key(self, tokens: Sequence[int], end: int) -> str:
+    def history_key(self, tokens: Sequence[int], end: int) -> str:
+        return self._chain(tokens, end // self.chunk).hex()
+
+    def window_dir(self, tokens: Sequence[int], boundary: int) -> str:
+        return self._chain(tokens, boundary // self.chunk).hex()
+
+    def window_key(self, tokens: Sequence[int], end: int) -> str:
         whole = end // self.chunk
+        base = self._chain(tokens, whole)
+        offset = end - whole * self.chunk
+        return f"{base.hex()}/{offset}-{_hash(base + b'window', tokens[whole * self.chunk:end]).hex()}"
+
+    def _chain(self, tokens: Sequence[int], chunks: int) -> bytes:
         if not self.chain:
             self.chain.append(hashlib.blake2b(self.salt, digest_size=16).digest())
-        while len(self.chain) <= whole:
+        while len(self.chain) <= chunks:
             k = len(self.chain) - 1
             self.chain.append(_hash(self.chain[k], tokens[k * self.chunk:(k + 1) * self.chunk]))
-        if end % self.chunk == 0:
-            return self.chain[whole].hex()
-        return _hash(self.chain[whole] + b"tail", tokens[whole * self.chunk:end]).hex()
+        return self.chain[chunks]
 
 
 def _hash(prefix: bytes, tokens: Sequence[int]) -> bytes:

@@ -1,7 +1,8 @@
 """The connector's entry store: one file per entry in a directory (tmpfs such as /dev/shm for CPU
 memory, a local disk, or a filesystem that prefill and decode hosts share).
 
-A file is ``MAGIC | header length (u64) | JSON header | payload``; the header names every part of the
+A key is a relative path (``name`` or ``dir/name``); its file is ``<key>.kv``:
+``MAGIC | header length (u64) | JSON header | payload``; the header names every part of the
 payload and carries its length and CRC-32, so a truncated or altered file is refused with the reason,
 never loaded. Writers publish by rename, so readers see whole files or none, and several engines can
 share one directory. With ``max_bytes`` the least recently used files are removed past the budget.
@@ -66,18 +67,28 @@ class EntryStore:
             return False
         return True
 
+    def list(self, directory: str) -> list[str]:
+        """The keys in ``directory`` (names without the suffix; none if it does not exist)."""
+        try:
+            names = os.listdir(self.root / directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [f"{directory}/{n[: -len(SUFFIX)]}" for n in names if n.endswith(SUFFIX)]
+
     def write(self, key: str, header: dict, parts: Iterable[memoryview]) -> int:
         """Publishes ``parts`` (bytes-like, concatenated) under ``key``; returns the file's size."""
         parts = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
         header = dict(header, payload_bytes=sum(p.nbytes for p in parts), crc32=_crc32(parts))
         head = json.dumps(header, sort_keys=True).encode()
-        tmp = self.root / f".{key}.{os.getpid()}.tmp"
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(MAGIC + struct.pack("<Q", len(head)) + head)
                 for p in parts:
                     f.write(p)
-            os.replace(tmp, self.path(key))
+            os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
@@ -118,7 +129,7 @@ class EntryStore:
         self.path(key).unlink(missing_ok=True)
 
     def _files(self) -> list[Path]:
-        return [p for p in self.root.glob(f"*{SUFFIX}") if p.is_file()]
+        return [p for p in self.root.rglob(f"*{SUFFIX}") if p.is_file()]
 
     def _evict(self) -> None:
         """Removes least recently used entries until the store is within 90% of its budget."""
