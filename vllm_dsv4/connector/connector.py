@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from vllm_dsv4 import compat
 from vllm_dsv4.config import ConfigError, Dsv4Config
@@ -150,8 +150,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             return
         start, end = r.lookup
         if start + num_external_tokens != end:  # never expected: vLLM trimmed the hit we reported
-            logger.error("DSV4Connector: request %s was given %d external tokens after %d, not the %d "
-                         "its entries hold; its load fails", request.request_id, num_external_tokens, start, end - start)
+            logger.error("DSV4Connector: request %s was given %d external tokens after %d, not the %d its "
+                         "entries hold; its load fails", request.request_id, num_external_tokens, start, end - start)
             self._pending_loads[request.request_id] = []
             return
         ids = blocks.get_block_ids()
@@ -273,8 +273,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
     def _save(self, save: Save) -> None:
         parts, groups = [], []
         for group, ids in zip(self.groups, save.block_ids):
-            index = torch.tensor(ids, dtype=torch.long)
-            pages = [self._pages[name].index_select(0, index.to(self._pages[name].device)).cpu() for name in group.layers]
+            index = torch.tensor(ids, dtype=torch.long, device=self._pages[group.layers[0]].device)
+            pages = [self._pages[name].index_select(0, index).cpu() for name in group.layers]
             parts += [p.numpy() for p in pages]
             groups.append({"blocks": len(ids), "layers": list(group.layers), "page_bytes": [p.shape[1] for p in pages]})
         header = {"format": FORMAT, "fingerprint": self.fingerprint.hex(), "end": save.end, "groups": groups}

@@ -80,7 +80,8 @@ class Attention(nn.Module):
         cache_config = vllm_config.cache_config
         components = layer_components(cfg, ratio, kv_dtype, cache_config.block_size,
                                       fp8_entries(cache_config.cache_dtype))
-        caches = {name: CacheLayer(comp, cache_layer_name(prefix, name), vllm_config) for name, comp in components.items()}
+        caches = {name: CacheLayer(comp, cache_layer_name(prefix, name), vllm_config)
+                  for name, comp in components.items()}
         self.swa_cache = caches["swa"]
         self.main_cache = caches.get("c4") or caches.get("c128")
         if ratio:
