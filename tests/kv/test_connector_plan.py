@@ -12,6 +12,7 @@ from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
     chunk_tokens,
+    finish_ends,
     history_ends,
     history_positions,
     loaded_window_positions,
@@ -115,6 +116,31 @@ def test_the_resume_point_is_the_furthest_window_entry_over_whole_history(seed):
         usable = [e for e in windows if start < e <= num_tokens - 1
                   and all(h in history for h in range(start + CHUNK, e + 1, CHUNK))]
         assert got == max(usable, default=start)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_conversations_next_turn_resumes_where_the_last_one_stopped(seed):
+    """A request's saves (its prompt's steps, then what it generated) let a prompt extending its whole
+    sequence resume at the request's last computed token; one that generated a single token (a
+    disaggregated prefill) leaves its prompt's last token."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        prompt, generated = rng.randrange(2, 2000), rng.randrange(1, 700)
+        computed, history, windows = 0, set(), set()
+        while computed < prompt + generated - 1:  # the last generated token is never computed
+            step = rng.randrange(1, 600) if computed < prompt else 1
+            step = min(step, prompt + generated - 1 - computed)
+            h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
+            history |= set(h)
+            windows |= set(w)
+            computed += step
+        h, w = finish_ends(prompt, computed, CHUNK)
+        history |= set(h)
+        windows |= set(w)
+        next_turn = prompt + generated + rng.randrange(1, 300)
+        got = resume_point(0, next_turn, CHUNK, history.__contains__,
+                           lambda b: [e for e in windows if b <= e < b + CHUNK])
+        assert got == (computed if generated > 1 else prompt - 1), (prompt, generated)
 
 
 def test_keys_name_one_prefix():

@@ -10,8 +10,9 @@ store, and CPU (tmpfs) or disk offload of prefixes that outlive the GPU's prefix
 scheduler side decides from the token ids which entries a step completes (:func:`.plan.save_ends`) and
 where a new request can resume (:func:`.plan.resume_point`); the worker side copies whole cache
 pages of every group by block id: no per-layer hooks, which DeepSeek-V4's own attention never calls.
-Saves are written after the step's forward (``wait_for_save``), so a request's entries are in the
-store before its output is. Loads are asynchronous in vLLM's sense (the request waits one step for
+Saves are written after the step's forward (``wait_for_save``), so a request's prompt entries are in
+the store before its output is; what it generated, in the step after it finishes (vLLM holds its blocks
+until the worker reports them written). Loads are asynchronous in vLLM's sense (the request waits one step for
 them) because that is where vLLM takes per-request load failures for models with several KV-cache
 groups: an entry that is missing or fails its checksum when the worker reads it fails that request's
 load, which vLLM then recomputes or fails (``kv_load_failure_policy``) while serving the others.
@@ -40,6 +41,7 @@ from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
     chunk_tokens,
+    finish_ends,
     history_ends,
     history_positions,
     loaded_window_positions,
@@ -59,11 +61,13 @@ NULL_BLOCK = 0  # vLLM's placeholder block id (window blocks out of the window);
 
 @dataclass
 class Save:
-    """One entry to write: the block ids of its stored positions, per group."""
+    """One entry to write: the block ids of its stored positions, per group; ``releases`` the finished
+    request whose blocks vLLM holds until this (its last) entry is written."""
 
     end: int
     key: str
     block_ids: list[list[int]]
+    releases: str | None = None
 
 
 @dataclass
@@ -119,9 +123,11 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, list[Load]] = {}
+        self._finish_saves: list[Save] = []
         # worker side
         self._pages: dict[str, torch.Tensor] = {}
         self._done_loading: set[str] = set()
+        self._done_saving: set[str] = set()
         self._failed_loading: set[str] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -170,8 +176,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         self._pending_loads[request.request_id] = loads
 
     def build_connector_meta(self, scheduler_output) -> DSV4ConnectorMetadata:
-        meta = DSV4ConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = {}
+        meta = DSV4ConnectorMetadata(saves=self._finish_saves, loads=self._pending_loads)
+        self._pending_loads, self._finish_saves = {}, []
         if not self.saves:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -195,8 +201,19 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None  # saves are written within the step that computes them
+        """Prompt entries were written in the steps that computed them; what the request generated is
+        written in the next step, vLLM holding its blocks until then."""
+        r = self._requests.pop(request.request_id, None)
+        if not self.saves or r is None:
+            return False, None
+        computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+        history, windows = finish_ends(len(r.prompt), computed, self.chunk)
+        saves = self._saves(r.keys, request.all_token_ids, history, windows, [list(ids) for ids in block_ids])
+        if not saves:
+            return False, None
+        saves[-1].releases = request.request_id
+        self._finish_saves += saves
+        return True, None
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -210,13 +227,20 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan_saves(self, meta: DSV4ConnectorMetadata, r: _Request, computed: int, scheduled: int) -> None:
         history, windows = save_ends(computed, computed + scheduled, len(r.prompt), self.chunk, self.window_every)
-        for ends, key_of, positions in ((history, r.keys.history_key, history_positions),
-                                        (windows, r.keys.window_key, window_positions)):
+        meta.saves += self._saves(r.keys, r.prompt, history, windows, r.block_ids)
+
+    def _saves(self, keys: PrefixKeys, tokens, history: list[int], windows: list[int],
+               block_ids: list[list[int]]) -> list[Save]:
+        """The entries not yet stored among the history and window entries at these ends."""
+        saves = []
+        for ends, key_of, positions in ((history, keys.history_key, history_positions),
+                                        (windows, keys.window_key, window_positions)):
             for e in ends:
-                key = key_of(r.prompt, e)
+                key = key_of(tokens, e)
                 if not self.store.contains(key):
-                    meta.saves.append(Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
-                                                    for group, ids in zip(self.groups, r.block_ids)]))
+                    saves.append(Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
+                                               for group, ids in zip(self.groups, block_ids)]))
+        return saves
 
     # ------------------------------------------------------------------ worker side
 
@@ -250,25 +274,29 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         return  # saves are whole pages after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if get_tensor_model_parallel_rank() != 0:  # every rank holds the same (replicated) cache
-            return
+        writes = get_tensor_model_parallel_rank() == 0  # every rank holds the same (replicated) cache
         for save in self._get_connector_metadata().saves:
             try:
-                self._save(save)
+                if writes:
+                    self._save(save)
             except OSError as e:  # a full or read-only store: later requests recompute this prefix
                 logger.error("DSV4Connector: could not save KV entry %s (%s)", self.store.path(save.key), e)
+            if save.releases is not None:
+                self._done_saving.add(save.releases)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done, self._done_loading = self._done_loading, set()
+        loaded, self._done_loading = self._done_loading, set()
+        saved, self._done_saving = self._done_saving, set()
         if self._failed_loading and not compat.reports_failed_loads():
             raise EntryError(f"KV loads failed for {sorted(self._failed_loading)} and this vLLM has no way to "
                              "recompute them (see the errors above)")
-        return None, done or None
+        return saved or None, loaded or None
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         failed, self._failed_loading = self._failed_loading, set()
-        _, done = self.get_finished(finished_req_ids)
-        return compat.kv_transfer_results(finished_recving=done or set(), failed_recving=failed)
+        saved, loaded = self.get_finished(finished_req_ids)
+        return compat.kv_transfer_results(finished_sending=saved or set(), finished_recving=loaded or set(),
+                                          failed_recving=failed)
 
     def _save(self, save: Save) -> None:
         parts, groups = [], []

@@ -9,8 +9,9 @@ keeps two kinds of entries:
   from the first token it reads again (``Component.resume_start``: the attention window, the
   compressor's open pooling windows) and the history since the last multiple of ``C``. Saved at every
   multiple of the ``window_every`` interval (prefix reuse at that granularity) and at every prompt's
-  last token ``L - 1`` (where a decode engine of prefill/decode disaggregation resumes; also where a
-  later prompt that extends this one, the next turn of a conversation, can resume).
+  last token ``L - 1`` (where a decode engine of prefill/decode disaggregation resumes), and where a
+  request that generated text stopped (where the next turn of a conversation, a prompt extending the
+  whole sequence, resumes: :func:`finish_ends`).
 
 Windows are most of an entry's bytes (V4-Flash, FP8: 4.1 MB per resume point against 1 MB of history
 per 256 tokens), hence their sparser interval. A resume at ``E`` from ``S`` tokens of local prefix
@@ -101,6 +102,15 @@ def save_ends(computed: int, computed_after: int, num_prompt_tokens: int, chunk:
     if computed < num_prompt_tokens <= computed_after and tail > 0 and tail % window_every:
         windows.append(tail)
     return history, windows
+
+
+def finish_ends(num_prompt_tokens: int, computed: int, chunk: int) -> tuple[list[int], list[int]]:
+    """The history and the window entries a finished request leaves for a prompt that extends its
+    whole sequence (a conversation's next turn): the history past its prompt and a window entry where
+    it stopped, if it generated more than the one token a prefill-only request (disaggregation) does."""
+    if computed <= num_prompt_tokens:
+        return [], []
+    return list(range((num_prompt_tokens // chunk + 1) * chunk, computed + 1, chunk)), [computed]
 
 
 @dataclass
