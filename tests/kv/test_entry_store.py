@@ -74,3 +74,4 @@ def test_keys_in_folders_are_listed_by_folder(tmp_path):
         store.write(key, {}, [payload(0, 10)])
     assert sorted(store.list("a")) == ["a/1-x", "a/2-y"] and store.list("missing") == []
     assert store.check("a/2-y") and store.read("a/1-x")[0]["payload_bytes"] == 10
+

@@ -95,18 +95,44 @@ class _Request:
     lookup: tuple[int, int] | None = None  # (tokens it had, tokens after the load) of its last lookup
 
 
+@dataclass(frozen=True)
+class Options:
+    """``kv_connector_extra_config``."""
+
+    path: str  # the entry store's directory
+    max_bytes: int | None = None  # the store's budget; least recently used entries go past it
+    window_every: int = DEFAULT_WINDOW_EVERY  # tokens between a prompt's window entries
+    model_key: str | None = None  # names the model in keys instead of its path
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> "Options":
+        known = set(cls.__dataclass_fields__)
+        if "path" not in extra or set(extra) - known:
+            unknown = sorted(set(extra) - known)
+            raise ConfigError(f"DSV4Connector: kv_connector_extra_config takes {sorted(known)} ('path' required: "
+                              f"a tmpfs such as /dev/shm/... for CPU memory, or a disk or shared directory)"
+                              + (f"; unknown: {unknown}" if unknown else ""))
+        try:
+            max_bytes = int(float(extra["max_bytes"])) if extra.get("max_bytes") is not None else None
+            window_every = int(extra.get("window_every", DEFAULT_WINDOW_EVERY))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"DSV4Connector: max_bytes and window_every are numbers ({e})") from e
+        if (max_bytes is not None and max_bytes <= 0) or window_every <= 0:
+            raise ConfigError(f"DSV4Connector: max_bytes={max_bytes} and window_every={window_every} must be > 0")
+        return cls(str(extra["path"]), max_bytes, window_every, extra.get("model_key"))
+
+
 class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ConfigError("DSV4Connector needs vLLM's KV-cache configuration (vLLM >= 0.26)")
         transfer = vllm_config.kv_transfer_config
-        extra = transfer.kv_connector_extra_config or {}
-        if "path" not in extra:
-            raise ConfigError('DSV4Connector: set kv_connector_extra_config={"path": DIR} (the entry store: '
-                              'a tmpfs such as /dev/shm/... for CPU memory, a disk or shared filesystem directory)')
-        max_bytes = extra.get("max_bytes")
-        self.store = EntryStore(extra["path"], int(float(max_bytes)) if max_bytes else None)
+        options = Options.parse(transfer.kv_connector_extra_config or {})
+        try:
+            self.store = EntryStore(options.path, options.max_bytes)
+        except OSError as e:
+            raise ConfigError(f"DSV4Connector: cannot use {options.path!r} as the entry store ({e})") from e
         self.saves, self.loads = transfer.is_kv_producer, transfer.is_kv_consumer
         cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
         self.groups = [
@@ -115,11 +141,11 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             for g in kv_cache_config.kv_cache_groups
         ]
         self.chunk = chunk_tokens(self.groups)
-        self.window_every = int(extra.get("window_every", DEFAULT_WINDOW_EVERY))
-        if self.window_every <= 0 or self.window_every % self.chunk:
-            raise ConfigError(f"DSV4Connector: window_every={self.window_every} must be a positive multiple of "
+        self.window_every = options.window_every
+        if self.window_every % self.chunk:
+            raise ConfigError(f"DSV4Connector: window_every={self.window_every} must be a multiple of "
                               f"{self.chunk} tokens (the KV-cache block)")
-        self.fingerprint = _fingerprint(vllm_config, kv_cache_config, extra.get("model_key"))
+        self.fingerprint = _fingerprint(vllm_config, kv_cache_config, options.model_key)
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, list[Load]] = {}
