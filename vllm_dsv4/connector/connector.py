@@ -325,12 +325,14 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
                                           failed_recving=failed)
 
     def _save(self, save: Save) -> None:
+        """One gather and one device-to-host copy per group (its layers' pages one after another)."""
         parts, groups = [], []
         for group, ids in zip(self.groups, save.block_ids):
-            index = torch.tensor(ids, dtype=torch.long, device=self._pages[group.layers[0]].device)
-            pages = [self._pages[name].index_select(0, index).cpu() for name in group.layers]
-            parts += [p.numpy() for p in pages]
-            groups.append({"blocks": len(ids), "layers": list(group.layers), "page_bytes": [p.shape[1] for p in pages]})
+            layers = [self._pages[name] for name in group.layers]
+            index = torch.tensor(ids, dtype=torch.long, device=layers[0].device)
+            parts.append(torch.cat([pages.index_select(0, index).flatten() for pages in layers]).cpu().numpy())
+            groups.append({"blocks": len(ids), "layers": list(group.layers),
+                           "page_bytes": [pages.shape[1] for pages in layers]})
         header = {"format": FORMAT, "fingerprint": self.fingerprint.hex(), "end": save.end, "groups": groups}
         self.store.write(save.key, header, parts)
 
@@ -349,12 +351,13 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         if header["end"] != load.end or len(header["groups"]) != len(self.groups):
             raise EntryError(f"KV entry {self.store.path(load.key)} holds another resume point")
         data = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
+        data = data.to(next(iter(self._pages.values())).device)  # one host-to-device copy per entry
         offset = 0
         for group, stored, copies in zip(self.groups, header["groups"], load.copies):
             if stored["layers"] != list(group.layers):
                 raise EntryError(f"KV entry {self.store.path(load.key)} has other cache layers")
-            src = torch.tensor([s for s, _ in copies], dtype=torch.long)
-            dst = [d for _, d in copies]
+            src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=data.device)
+            dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=data.device)
             for name, page_bytes in zip(group.layers, stored["page_bytes"]):
                 pages = self._pages[name]
                 size = stored["blocks"] * page_bytes
@@ -362,7 +365,7 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
                     raise EntryError(f"KV entry {self.store.path(load.key)}: pages of {name} do not fit this cache")
                 if copies:
                     block = data[offset:offset + size].view(stored["blocks"], page_bytes)
-                    pages[torch.tensor(dst, device=pages.device)] = block[src].to(pages.device)
+                    pages[dst] = block[src]
                 offset += size
 
 
