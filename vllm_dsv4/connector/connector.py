@@ -89,7 +89,7 @@ class DSV4ConnectorMetadata(KVConnectorMetadata):
 class _Request:
     """Scheduler-side state of one request."""
 
-    prompt: Any  # its prompt token ids (entries are saved within the prompt)
+    prompt: Any  # its prompt token ids (the steps' saves stay within them; see request_finished_all_groups)
     keys: PrefixKeys
     block_ids: list[list[int]] = field(default_factory=list)
     lookup: tuple[int, int] | None = None  # (tokens it had, tokens after the load) of its last lookup
@@ -165,8 +165,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.all_token_ids
 
         def window_ends(boundary: int):
-            names = set(self.store.list(r.keys.window_dir(tokens, boundary)))
-            for name in names:  # "<dir>/<offset>-<hash>": the hash must be of this request's tokens
+            # names are "<dir>/<offset>-<hash>"; the hash must be of this request's tokens
+            for name in self.store.list(r.keys.window_dir(tokens, boundary)):
                 end = boundary + int(name.rsplit("/", 1)[1].split("-", 1)[0])
                 if end <= len(tokens) and r.keys.window_key(tokens, end) == name and self.store.check(name):
                     yield end
@@ -240,9 +240,6 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         saves[-1].releases = request.request_id
         self._finish_saves += saves
         return True, None
-
-    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished_all_groups(request, (block_ids,))
 
     def _track(self, request) -> _Request:
         r = self._requests.get(request.request_id)

@@ -47,22 +47,11 @@ class EntryStore:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(len(MAGIC) + 8)
-                if head[: len(MAGIC)] != MAGIC or len(head) < len(MAGIC) + 8:
-                    raise EntryError(f"KV entry {path}: not a vllm-dsv4 KV entry (bad magic)")
-                (head_len,) = struct.unpack_from("<Q", head, len(MAGIC))
-                header = json.loads(f.read(head_len))
+                _read_head(f, path)
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, EntryError) as e:
-            logger.warning("vllm-dsv4: dropping unusable KV entry %s: %s", path, e)
-            path.unlink(missing_ok=True)
-            return False
-        expected = len(MAGIC) + 8 + head_len + header.get("payload_bytes", -1)
-        if size != expected:
-            logger.warning("vllm-dsv4: dropping KV entry %s: %d bytes, its header says %d (truncated)",
-                           path, size, expected)
+        except (OSError, EntryError) as e:
+            logger.warning("vllm-dsv4: dropping unusable %s", e)
             path.unlink(missing_ok=True)
             return False
         return True
@@ -104,26 +93,15 @@ class EntryStore:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)  # writable: tensors view it without a copy
-                f.readinto(data)
+                header, payload_bytes = _read_head(f, path)
+                payload = bytearray(payload_bytes)  # writable: tensors view it without a copy
+                f.readinto(payload)
         except OSError as e:
             raise EntryError(f"KV entry {path}: cannot be read ({e.strerror or e})") from e
-        if data[: len(MAGIC)] != MAGIC or len(data) < len(MAGIC) + 8:
-            raise EntryError(f"KV entry {path}: not a vllm-dsv4 KV entry (bad magic)")
-        (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
-        start = len(MAGIC) + 8
-        try:
-            header = json.loads(data[start : start + head_len])
-        except ValueError as e:
-            raise EntryError(f"KV entry {path}: unreadable header ({e})") from e
-        payload = memoryview(data)[start + head_len :]
-        if payload.nbytes != header.get("payload_bytes"):
-            raise EntryError(f"KV entry {path}: payload is {payload.nbytes} bytes, the header says "
-                             f"{header.get('payload_bytes')} (truncated or partly written)")
-        if _crc32([payload]) != header.get("crc32"):
+        if _crc32([memoryview(payload)]) != header.get("crc32"):
             raise EntryError(f"KV entry {path}: payload checksum mismatch (corrupted)")
         os.utime(path)  # recently used: evicted last
-        return header, payload
+        return header, memoryview(payload)
 
     def discard(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -146,6 +124,24 @@ class EntryStore:
                 break
             p.unlink(missing_ok=True)
             self._bytes -= size
+
+
+def _read_head(f, path: Path) -> tuple[dict, int]:
+    """The header of the entry file open as ``f`` (left at its payload) and the payload's size, which
+    must be the header's; :class:`EntryError` otherwise."""
+    head = f.read(len(MAGIC) + 8)
+    if len(head) < len(MAGIC) + 8 or head[: len(MAGIC)] != MAGIC:
+        raise EntryError(f"KV entry {path}: not a vllm-dsv4 KV entry (bad magic)")
+    (head_len,) = struct.unpack_from("<Q", head, len(MAGIC))
+    try:
+        header = json.loads(f.read(head_len))
+    except ValueError as e:
+        raise EntryError(f"KV entry {path}: unreadable header ({e})") from e
+    payload_bytes = os.fstat(f.fileno()).st_size - len(MAGIC) - 8 - head_len
+    if payload_bytes != header.get("payload_bytes"):
+        raise EntryError(f"KV entry {path}: payload is {payload_bytes} bytes, the header says "
+                         f"{header.get('payload_bytes')} (truncated or partly written)")
+    return header, payload_bytes
 
 
 def _crc32(parts: Iterable[memoryview]) -> int:
