@@ -218,15 +218,15 @@ def _tile(n: int, cap: int) -> int:
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile caps. Decode and small batches (at most 16 rows per expert on average): 16-row blocks,
-    one per hit expert, so each weight byte is read once; 32-column tiles give the W13 pass at T = 1
-    (6 experts, I = 2048) 384 programs and the W2 pass 768; 4 stages keep 12 KB of weight bytes in
-    flight per W13 program. Larger batches: 64 x 64 tiles reuse a decoded tile over 64 rows. Registers
-    (W13 / W2) from compiling for sm_90a without a GPU (scripts/sass_loops.py, bf16, narrow scales):
-    96 / 64 (decode), 167 / 78 (batch) with the device's triton 3.6; 3.9 takes 203 for W13's batch tile.
-    The decode case is likely bound by the decode's arithmetic rather than HBM (not yet measured on
-    a GPU). fp32 (a test path) halves the K step."""
+    one per hit expert, so each weight byte is read once; 64-column tiles on 2 warps (each thread
+    decodes twice the weight of the 4-warp 32-column tile for the same x loads). On the H200, graph
+    replayed at V4-Flash's shapes (E 256, k 6, D 4096, I 2048), that tile took 73 / 497 / 1,270 us at
+    T = 1 / 16 / 64 against 89 / 617 / 1,581 for 32 columns on 4 warps, the best of six decode tiles
+    (docs/bench/README.md, 2026-12-05); vLLM's Marlin took 59 / 414 / 1,025. Larger batches: 64 x 64
+    tiles reuse a decoded tile over 64 rows (13.1 ms at T = 8,192, the best of four batch tiles;
+    Marlin 11.0). fp32 (a test path) halves the K step."""
     if num_pairs <= 16 * num_experts:
-        cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
     if dtype == torch.float32:

@@ -117,3 +117,28 @@ def moe_experts(
         out.index_add_(0, t_e, y * wgt[start : start + n, None])
         start += n
     return out.to(x.dtype)
+
+
+def moe_experts_every_expert(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    swiglu_limit: float,
+) -> Tensor:
+    """:func:`moe_experts` without reading anything on the host, so a CUDA graph can capture it: every
+    expert runs on every token, and a token's output takes each expert's with the sum of the routing
+    weights that picked it (0 for the others). E times the matmul work of :func:`moe_experts`: for
+    decode-sized steps of checkpoints with unquantised experts (official ones carry MXFP4 experts).
+    Same arguments and result; ids outside ``[0, E)`` are skipped."""
+    T, E = ids.shape[0], w13.shape[0]
+    local = torch.where((ids >= 0) & (ids < E), ids, E).long()  # [T, k]; E collects the skipped picks
+    per_expert = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
+    per_expert.scatter_add_(1, local, weights.float())  # [T, E + 1]
+    xf = x.float()
+    out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, D]
+    for e in range(E):
+        h = swiglu_clamped(xf @ w13[e].float().t(), swiglu_limit)  # [T, I]
+        out.addcmul_(h @ w2[e].float().t(), per_expert[:, e, None])
+    return out.to(x.dtype)

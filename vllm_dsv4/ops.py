@@ -18,15 +18,15 @@ import os
 
 import torch
 
+from csrc_triton import routing_ref
 from csrc_triton.mhc_ref import hc_head
 from csrc_triton.rope_ref import rope_inv_freq
-from csrc_triton.routing_ref import moe_experts
 
 ON_CUDA = torch.cuda.is_available()
 USE_KERNELS = ON_CUDA and os.environ.get("VLLM_DSV4_OPS", "triton") != "reference"
-# Packed MXFP4 experts: our Triton MoE, or vLLM's Marlin MoE (compat.py ledger 7; 2.4-3.6x faster at decode
-# sizes on the H200, but opt-in: with it, CUDA-graph decode parts from eager in the e2e comparison although
-# the op alone replays bit for bit; docs/bench, 2026-12-04c).
+# Packed MXFP4 experts: our Triton MoE, or vLLM's Marlin MoE (compat.py ledger 7; 1.2x faster at decode
+# sizes on the H200 (docs/bench, 2026-12-05), but opt-in: with it, CUDA-graph decode parts from eager in
+# the e2e comparison although the op alone replays bit for bit; docs/bench, 2026-12-04c).
 MOE_BACKEND = os.environ.get("VLLM_DSV4_MOE", "triton") if USE_KERNELS else "reference"
 if MOE_BACKEND not in ("triton", "marlin", "reference"):
     raise ValueError(f"VLLM_DSV4_MOE={MOE_BACKEND!r}: use 'triton' or 'marlin'")
@@ -103,6 +103,19 @@ __all__ = [
     "swiglu_clamped",
     "write_state_rows",
 ]
+
+
+DENSE_EXPERTS_EVERY_EXPERT_MAX_TOKENS = 512  # vLLM's largest CUDA-graph size by default
+
+
+def moe_experts(x, weights, ids, w13, w2, swiglu_limit):
+    """Routed experts of a checkpoint with unquantised experts (no kernel: PyTorch everywhere). On a
+    GPU, steps of up to ``DENSE_EXPERTS_EVERY_EXPERT_MAX_TOKENS`` tokens and every graph capture take
+    the formulation without host reads, so that graphs and eager steps of one size compute alike."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or (x.is_cuda and x.shape[0] <= DENSE_EXPERTS_EVERY_EXPERT_MAX_TOKENS):
+        return routing_ref.moe_experts_every_expert(x, weights, ids, w13, w2, swiglu_limit)
+    return routing_ref.moe_experts(x, weights, ids, w13, w2, swiglu_limit)
 
 
 def binds_grouped_gemm(out_proj: str) -> bool:

@@ -22,7 +22,7 @@ from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
 from csrc_triton.moe_mxfp4_ref import decode_mxfp4, moe_experts_mxfp4
 from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
-from csrc_triton.routing_ref import moe_experts, route, swiglu_clamped
+from csrc_triton.routing_ref import moe_experts, moe_experts_every_expert, route, swiglu_clamped
 from csrc_triton.sparse_attn_ref import sparse_attn
 
 ATOL = 1e-5
@@ -195,8 +195,14 @@ def test_swiglu_clamped_naive():
     assert swiglu_clamped(gu.bfloat16(), L).dtype == torch.bfloat16
 
 
+# the reference, and its formulation without host reads (what CUDA graphs capture for unquantised experts)
+MOE_EXPERTS = pytest.mark.parametrize("moe_experts", [moe_experts, moe_experts_every_expert],
+                                      ids=["by_expert", "every_expert"])
+
+
+@MOE_EXPERTS
 @pytest.mark.parametrize("T", [0, 1, 7])
-def test_moe_experts_naive(T):
+def test_moe_experts_naive(T, moe_experts):
     E, k, D, I, L = 6, 2, 8, 4, 1.0
     x = torch.randn(T, D)
     ids = torch.stack([torch.randperm(E - 2)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
@@ -214,8 +220,8 @@ def test_moe_experts_naive(T):
     _close(out, ref)
 
 
-
-def test_moe_experts_skips_the_not_on_this_rank_id():
+@MOE_EXPERTS
+def test_moe_experts_skips_the_not_on_this_rank_id(moe_experts):
     """Id E (one past the last local expert) contributes nothing, whatever its weight."""
     E, k, D, I, L = 4, 2, 8, 4, 1.0
     x, weights = torch.randn(5, D), torch.rand(5, k) + 1

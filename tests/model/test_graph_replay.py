@@ -89,6 +89,24 @@ def test_marlin_moe_replays_as_eager(experts):
     assert_replay_matches_eager(marlin, routed, seeds=(1, 2, 3, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_dense_moe_replays_as_eager(dtype):
+    """Unquantised experts (ops.moe_experts: the reference reads expert counts on the host, so decode
+    steps take the formulation without host reads), at the ktiny shape, in the e2e tests' fp32 too."""
+    from vllm_dsv4 import ops
+
+    D, I, E, k = EXPERT_SHAPES["ktiny"]
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D**0.5).to("cuda", dtype)
+    w2 = (torch.randn(E, D, I, generator=g) / I**0.5).to("cuda", dtype)
+
+    def routed(seed: int) -> tuple:
+        x, weights, ids, *_ = kc.moe_mxfp4_args(16, D, I, E, k, dtype, p_skip=0.2, seed=seed, device="cuda")
+        return x, weights, ids
+
+    assert_replay_matches_eager(lambda x, w, ids: ops.moe_experts(x, w, ids, w13, w2, 10.0), routed)
+
+
 def test_einsum_out_proj_replays_as_eager():
     """wo_a's einsum route (VLLM_DSV4_OUT_PROJ=auto with DeepGEMM): our quantiser, then the grouped GEMM."""
     from csrc_triton.out_proj import rope_quant_fp8

@@ -48,6 +48,38 @@ class CacheStepMetadata:
         return self.plans[key]
 
 
+class TokenRequests:
+    """``token_to_req`` in one device buffer per device shared by every cache group's builder (and the
+    draft model's): the map is a function of the step's query layout alone, so it is written only when
+    that differs from what the buffer holds (the builders of one step, and decode steps of an unchanged
+    batch, write nothing). Its address stays fixed: CUDA graphs replay against it. Writes are ordered
+    on the stream after the work of earlier steps that reads it."""
+
+    _by_device: dict[tuple[str, int], TokenRequests] = {}
+
+    def __init__(self, max_tokens: int, device):
+        self.buffer = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.holds = None  # (query_start_loc, num_tokens) of what the buffer holds
+
+    @classmethod
+    def shared(cls, max_tokens: int, device) -> TokenRequests:
+        key = (str(torch.device(device)), max_tokens)
+        if key not in cls._by_device:
+            cls._by_device[key] = cls(max_tokens, device)
+        return cls._by_device[key]
+
+    def of(self, query_start_loc_cpu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]``: the request each token belongs to, -1 for the padding after the last one."""
+        starts = query_start_loc_cpu.tolist()
+        if self.holds != (starts, num_tokens):
+            qsl = query_start_loc_cpu.to(torch.int64)
+            token_to_req = torch.full((num_tokens,), -1, dtype=torch.int64)
+            token_to_req[: starts[-1]] = torch.repeat_interleave(torch.arange(len(starts) - 1), qsl.diff())
+            self.buffer[:num_tokens].copy_(token_to_req, non_blocking=True)
+            self.holds = (starts, num_tokens)
+        return self.buffer[:num_tokens]
+
+
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
     # Full CUDA graphs of decode steps, also where each request verifies draft tokens (speculative
     # decoding: 1 + k query tokens each): the decode path has fixed shapes and no host syncs.
@@ -55,21 +87,16 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self._token_to_req = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._token_requests = TokenRequests.shared(vllm_config.scheduler_config.max_num_batched_tokens, device)
         spec = vllm_config.speculative_config
         self._decode_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         cm = common_attn_metadata
         num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
-        qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
-        token_to_req = torch.full((num_tokens,), -1, dtype=torch.int64)  # tokens past the last request: padding
-        token_to_req[: int(qsl[-1])] = torch.repeat_interleave(torch.arange(num_reqs), qsl[1:] - qsl[:-1])
-        self._token_to_req[:num_tokens].copy_(token_to_req, non_blocking=True)
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
-            token_to_req=self._token_to_req[:num_tokens],
+            token_to_req=self._token_requests.of(cm.query_start_loc_cpu[: num_reqs + 1], num_tokens),
             decode_only=cm.max_query_len <= self._decode_query_len,
             max_seq_len=cm.max_seq_len,
         )
