@@ -119,14 +119,8 @@ def moe_experts(
     return out.to(x.dtype)
 
 
-def moe_experts_every_expert(
-    x: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    swiglu_limit: float,
-) -> Tensor:
+def moe_experts_every_expert(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor,
+                             swiglu_limit: float) -> Tensor:
     """:func:`moe_experts` without reading anything on the host, so a CUDA graph can capture it: every
     expert runs on every token, and a token's output takes each expert's with the sum of the routing
     weights that picked it (0 for the others). E times the matmul work of :func:`moe_experts`: for
