@@ -42,26 +42,31 @@ class Compressor(nn.Module):
         # Which windows close depends on the step's tokens only: the first compressor of this ratio
         # works it out and every later layer's reuses it (a CUDA graph replays that first computation).
         closed = md_state.once(("closed windows", self.ratio),
-                               lambda: self._closed_windows(req, positions, md_state.decode_only))
-        if closed is None:
-            return
+                               lambda: self._closed_windows(req, positions, md_state.decode_only,
+                                                            md_state.block_table.shape[0]))
         rows = self.state_cache.read(md_state, closed.read_req, closed.read_entry)  # [N, S, 2*coff*d]
         pooled = ops.compress_windows(rows, closed.valid, self.overlap, self.head_dim)  # [N, d]
         self.out_cache.insert(md_out, pooled, self.norm, closed.rope_positions, self.inv_freq, closed.out_req,
                               closed.entry)
 
-    def _closed_windows(self, req: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> ClosedWindows | None:
-        """The windows this step's tokens close (None if none): a token at p with (p+1) % ratio == 0
-        closes entry p // ratio, roped at its window's first position."""
+    def _closed_windows(self, req: torch.Tensor, positions: torch.Tensor, decode_only: bool,
+                        num_reqs: int) -> ClosedWindows:
+        """The windows this step's tokens close: a token at p with (p+1) % ratio == 0 closes entry
+        p // ratio, roped at its window's first position. Fixed-size lists, no host read."""
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
         if decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
             pos, r, out_req = positions, req, torch.where(closing, req, -1)
-        else:  # one host read: which tokens close a window
-            closers = closing.nonzero().squeeze(1)
-            if not closers.numel():
-                return None
-            pos, r = positions[closers], req[closers]  # [N]
-            out_req = r
+        else:  # the closing tokens, packed in order into a list of the most that can close
+            # (each request's tokens have consecutive positions: n of them close at most n // ratio + 1
+            # windows), padded with request -1 (pooled, not stored)
+            T = positions.shape[0]
+            size = T // self.ratio + num_reqs
+            torch._assert_async(closing.sum() <= size)
+            place = torch.where(closing, closing.cumsum(0) - 1, size)  # [T]; the others to slot `size`
+            token = torch.full((size + 1,), T, dtype=torch.int64, device=req.device)  # T: the padding row
+            token = token.scatter_(0, place, torch.arange(T, device=req.device))[:size]  # [N]
+            pos = torch.cat([positions, positions.new_zeros(1)])[token]
+            r = out_req = torch.cat([req, req.new_full((1,), -1)])[token]
         window = pos[:, None] + self.window_offsets  # [N, S]
         return ClosedWindows(read_req=r.clamp(min=0)[:, None], read_entry=window.clamp(min=0), valid=window >= 0,
                              rope_positions=pos - self.ratio + 1, out_req=out_req,
