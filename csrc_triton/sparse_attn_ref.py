@@ -73,6 +73,9 @@ class CacheSource(NamedTuple):
     # lists' lengths, or, where a source's entries are the same in all those calls, from its entries
     # (attention/flashmla.py); None: plan per call.
     plans: dict | None = None
+    # Known on the host, at least the rows a call's requests' spans of named entries take together
+    # (attention/flashmla.py sizes its key buffer by it instead of reading their total); None: unknown.
+    span_rows_bound: int | None = None
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,

@@ -10,8 +10,8 @@ def brute_force(query_lens: list[int], num_tokens: int) -> list[int]:
     return owners + [-1] * (num_tokens - len(owners))
 
 
-def layout(query_lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+def layout(query_lens: list[int]) -> list[int]:
+    return [0, *torch.tensor(query_lens, dtype=torch.int64).cumsum(0).tolist()]
 
 
 def test_each_token_maps_to_its_request_and_padding_to_minus_one():

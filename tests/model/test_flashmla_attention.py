@@ -105,20 +105,30 @@ def test_layers_of_a_kind_share_one_plan():
     assert list(plans) == ["flashmla"] and plans["flashmla"].have_initialized
 
 
+def span_rows(req, entries) -> int:
+    """The rows the spans of one source's named entries take, request by request (brute force)."""
+    valid = (entries >= 0) & (req[:, None] >= 0)
+    named = [entries[(req == r)[:, None] & valid] for r in req[req >= 0].unique()]
+    return sum(int(e.max() - e.min() + 1) for e in named if e.numel())
+
+
 @pytest.mark.parametrize("fp8", [None, V4], ids=["raw", "fp8"])
 @pytest.mark.parametrize("main_k", [None, 24], ids=["window-only", "compressed"])
-def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, cpu_ops):
+@pytest.mark.parametrize("spare_rows", [None, 0, 7], ids=["counted", "bound-exact", "bound-above"])
+def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, spare_rows, cpu_ops):
     """Every valid slot's index points at the entry the reference reads for it, empty slots and padding
-    rows at -1, and the buffer holds each request's span once."""
+    rows at -1, and the buffer holds each request's span once: counted on the device and read, or in
+    as many rows as the caller's bound (``CacheSource.span_rows_bound``) gives."""
     from csrc_triton.kv_cache_ref import read_entries
 
     q, sink, scale, req, window, window_entries, main, main_entries = sparse_attn_cached_args(
         12, 2, 64 if fp8 is None else 512, 6, main_k, fp8, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40))
     sources = [(window, window_entries)] + ([(main, main_entries)] if main is not None else [])
+    if spare_rows is not None:
+        sources = [(src._replace(span_rows_bound=span_rows(req, e) + spare_rows), e) for src, e in sources]
     kv, indices = flashmla.gather_slots(req, sources, torch.bfloat16)
     assert indices.dtype == torch.int32 and indices.shape == (12, sum(e.shape[1] for _, e in sources))
     column = 0
-    spans = 0
     for src, entries in sources:
         idx = indices[:, column : column + entries.shape[1]].long()
         valid = (entries >= 0) & (req[:, None] >= 0)
@@ -126,11 +136,17 @@ def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, cpu_ops):
         want = read_entries(src.view, src.block_table, req.clamp(min=0)[:, None].expand_as(entries)[valid],
                             entries[valid], src.entries_per_block, src.fp8, torch.bfloat16)
         assert torch.equal(kv[idx[valid]], want)
-        for r in req[req >= 0].unique():
-            named = entries[(req == r)[:, None] & valid]
-            spans += int(named.max() - named.min() + 1) if named.numel() else 0
         column += entries.shape[1]
-    assert kv.shape[0] == spans
+    assert kv.shape[0] == sum(span_rows(req, e) + (spare_rows or 0) for _, e in sources)
+
+
+def test_a_span_bound_below_the_spans_is_refused(cpu_ops):
+    """A caller's bound too low would index past the buffer: the device-side check refuses it."""
+    args = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40))
+    req, window, window_entries = args[3], args[4], args[5]
+    low = window._replace(span_rows_bound=span_rows(req, window_entries) - 1)
+    with pytest.raises(RuntimeError):
+        flashmla.gather_slots(req, [(low, window_entries)], torch.bfloat16)
 
 
 def test_gathered_spans_are_worked_out_once_per_plans(cpu_ops, monkeypatch):
@@ -163,16 +179,19 @@ def test_gathered_spans_are_worked_out_once_per_plans(cpu_ops, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is a CUDA matter")
-def test_gathering_slots_synchronises_once_per_source():
-    """gather_slots reads one number per source on the host (its spans' total: the buffer's size) and
-    makes no other synchronising call: host-built index tensors would each cost a pageable copy that
-    waits for the stream (an 8k prefill made 129 such copies on the H200, 2026-12-04; three per call
-    here, ~24 calls, by count)."""
+@pytest.mark.parametrize("bounded", [False, True], ids=["counted", "bounded"])
+def test_gathering_slots_synchronises_once_per_unbounded_source(bounded):
+    """gather_slots reads one number per source without a span bound on the host (its spans' total:
+    the buffer's size), none for a bounded one, and makes no other synchronising call: host-built
+    index tensors would each cost a pageable copy that waits for the stream (an 8k prefill made 129
+    such copies on the H200, 2026-12-04; three per call here, ~24 calls, by count)."""
     import warnings
 
     args = sparse_attn_cached_args(64, 2, 512, 16, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40),
                                    device="cuda")
     req, sources = args[3], [(args[4], args[5]), (args[6], args[7])]
+    if bounded:
+        sources = [(src._replace(span_rows_bound=span_rows(req, e)), e) for src, e in sources]
     flashmla.gather_slots(req, sources, torch.bfloat16)  # first calls (allocator, kernels) outside the count
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -183,4 +202,37 @@ def test_gathering_slots_synchronises_once_per_source():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]  # not the prototype notice
-    assert len(syncs) == len(sources), [str(w.message) for w in syncs]
+    assert len(syncs) == (0 if bounded else len(sources)), [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_prefill_span_bounds_cover_the_spans(ratio):
+    """Attention._span_rows' host bounds against the spans of the entries a prefill step names: each
+    query its window, and (the most a compressed source can name) every compressed entry it sees, over
+    random requests, chunks and sequence lengths."""
+    from types import SimpleNamespace
+
+    from vllm_dsv4.model.attention import Attention
+
+    g = torch.Generator().manual_seed(ratio)
+    window = 16
+    layer = SimpleNamespace(window=window, ratio=ratio)
+    for _ in range(40):
+        R = int(torch.randint(1, 6, (1,), generator=g))
+        queries = torch.randint(1, 40, (R,), generator=g)
+        lengths = queries + torch.randint(0, 300, (R,), generator=g)  # tokens already cached first
+        starts = [0, *queries.cumsum(0).tolist()]
+        req = torch.repeat_interleave(torch.arange(R), queries)
+        positions = torch.cat([torch.arange(int(n - q), int(n)) for n, q in zip(lengths, queries)])
+        md = SimpleNamespace(query_starts=starts, seq_len_bounds=lengths.tolist())
+        chunk = int(torch.randint(1, starts[-1] + 1, (1,), generator=g))
+        for a in range(0, starts[-1], chunk):
+            rows = slice(a, a + chunk)
+            window_rows, main_rows = Attention._span_rows(layer, md, rows)
+            p = positions[rows]
+            assert span_rows(req[rows], (p[:, None] + torch.arange(1 - window, 1)).clamp(min=-1)) <= window_rows
+            if ratio:
+                seen = torch.arange(int(lengths.max()) // ratio)
+                assert span_rows(req[rows], torch.where(seen < (p[:, None] + 1) // ratio, seen, -1)) <= main_rows
+            else:
+                assert main_rows is None

@@ -35,6 +35,8 @@ class CacheStepMetadata:
     decode_only: bool  # no request has more query tokens than a decode step's (1 + draft tokens): the
     # fixed-shape (CUDA-graph) path, which computes any step's tokens alike, each from its own position
     max_seq_len: int  # the longest request's tokens up to this step's last (host): widths without a device read
+    query_starts: list[int]  # [R + 1] where each request's tokens start in the step (host)
+    seq_len_bounds: list[int] | None  # [R] at least each request's tokens up to this step's last (host)
     # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
     # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
     # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
@@ -68,13 +70,13 @@ class TokenRequests:
             cls._by_device[key] = cls(max_tokens, device)
         return cls._by_device[key]
 
-    def of(self, query_start_loc_cpu: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``[num_tokens]``: the request each token belongs to, -1 for the padding after the last one."""
-        starts = query_start_loc_cpu.tolist()
+    def of(self, starts: list[int], num_tokens: int) -> torch.Tensor:
+        """``[num_tokens]``: the request each token belongs to (request r's start at ``starts[r]``), -1
+        for the padding after the last one."""
         if self.holds != (starts, num_tokens):
-            qsl = query_start_loc_cpu.to(torch.int64)
             token_to_req = torch.full((num_tokens,), -1, dtype=torch.int64)
-            token_to_req[: starts[-1]] = torch.repeat_interleave(torch.arange(len(starts) - 1), qsl.diff())
+            token_to_req[: starts[-1]] = torch.repeat_interleave(torch.arange(len(starts) - 1),
+                                                                 torch.tensor(starts).diff())
             self.buffer[:num_tokens].copy_(token_to_req, non_blocking=True)
             self.holds = (starts, num_tokens)
         return self.buffer[:num_tokens]
@@ -94,11 +96,15 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         cm = common_attn_metadata
         num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
+        starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+        bounds = cm.seq_lens_cpu_upper_bound
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
-            token_to_req=self._token_requests.of(cm.query_start_loc_cpu[: num_reqs + 1], num_tokens),
+            token_to_req=self._token_requests.of(starts, num_tokens),
             decode_only=cm.max_query_len <= self._decode_query_len,
             max_seq_len=cm.max_seq_len,
+            query_starts=starts,
+            seq_len_bounds=None if bounds is None else bounds[:num_reqs].tolist(),
         )
 
 

@@ -185,7 +185,7 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
         key = ("gathered spans", place)
         spans = src.plans.get(key) if src.plans is not None else None
         if spans is None:
-            spans = _spans(req, src.block_table.shape[0], entries, offset)
+            spans = _spans(req, src.block_table.shape[0], entries, offset, src.span_rows_bound)
             if src.plans is not None:
                 src.plans[key] = spans
         if spans.count:
@@ -198,10 +198,11 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
     return torch.cat(pieces), torch.cat(indices, 1).int()
 
 
-def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredSpans:
+def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int, rows_bound: int | None) -> GatheredSpans:
     """Per request, the span from the lowest to the highest entry its queries name, laid out from row
-    ``offset`` of the buffer in request order. Worked out on the device; the host reads one number,
-    the spans' total length (the buffer's size)."""
+    ``offset`` of the buffer in request order. Worked out on the device. The buffer takes
+    ``rows_bound`` rows where the caller knows that many suffice (the rows after the spans decode
+    entry 0 of the last request, named by no slot); else the host reads one number, the spans' total."""
     valid = (entries >= 0) & (req[:, None] >= 0)  # [T, n]
     none = torch.iinfo(torch.int64).max
     named = entries.long()
@@ -212,15 +213,25 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int) -> GatheredS
     r = req.clamp(min=0).long()  # a padding row (req -1) names nothing, so request 0 takes no harm
     lo = torch.full((num_req,), none, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_lo, "amin")
     hi = torch.full((num_req,), -1, dtype=torch.int64, device=req.device).scatter_reduce(0, r, row_hi, "amax")
+    lo = lo.clamp(max=1 << 62)  # requests no slot names: no overflow below (their counts are 0)
     counts = (hi - lo + 1).clamp(min=0)  # [R]; 0 for requests no slot names
     ends = counts.cumsum(0)
-    total = int(ends[-1]) if num_req else 0  # the one host read
     start = ends - counts  # [R] where each request's span begins, from the source's first row
+    base = (offset + start - lo)[r][:, None]  # [T, 1] kv row of entry 0's place
+    indices = torch.where(valid, base + entries, -1)
     # host-built index tensors would each cost a synchronising pageable copy to the device
-    span_req = torch.repeat_interleave(torch.arange(num_req, device=req.device), counts, output_size=total)  # [S_i]
-    span_entry = lo[span_req] + torch.arange(total, device=req.device) - start[span_req]
-    base = (offset + start - lo.clamp(max=1 << 62))[r][:, None]  # [T, 1] kv row of entry 0's place
-    return GatheredSpans(span_req, span_entry, torch.where(valid, base + entries, -1), total)
+    if rows_bound is None:
+        total = int(ends[-1]) if num_req else 0  # the one host read
+        span_req = torch.repeat_interleave(torch.arange(num_req, device=req.device), counts, output_size=total)
+        return GatheredSpans(span_req, lo[span_req] + torch.arange(total, device=req.device) - start[span_req],
+                             indices, total)
+    if not num_req:
+        return GatheredSpans(*(torch.zeros(0, dtype=torch.int64, device=req.device),) * 2, indices, 0)
+    torch._assert_async(ends[-1] <= rows_bound)  # a bound too low would index past the buffer
+    row = torch.arange(rows_bound, device=req.device)
+    span_req = torch.searchsorted(ends, row, right=True).clamp_(max=num_req - 1)  # [rows_bound]
+    span_entry = torch.where(row < ends[-1], lo[span_req] + row - start[span_req], 0)
+    return GatheredSpans(span_req, span_entry, indices, rows_bound)
 
 
 def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,

@@ -136,15 +136,35 @@ class Attention(nn.Module):
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
             plans = md.plans.setdefault((rows.start, rows.stop, self.ratio), {})
-            window = self.swa_cache.source(md, plans)
+            window_rows = main_rows = None
+            if not md.decode_only:
+                window_rows, main_rows = md.once(("span rows", rows.start, rows.stop, self.ratio),
+                                                 lambda: self._span_rows(md, rows))
+            window = self.swa_cache.source(md, plans)._replace(span_rows_bound=window_rows)
             chunk_main, entries = main, None
             if self.ratio == 4:
-                entries = picks[rows]
+                chunk_main, entries = main._replace(span_rows_bound=main_rows), picks[rows]
             elif self.ratio == 128:
                 # C128 layers name the same entries (every visible one), so they share what is planned from them.
-                chunk_main, entries = main._replace(plans=plans), self._every_visible(md, rows, positions)
+                chunk_main = main._replace(plans=plans, span_rows_bound=main_rows)
+                entries = self._every_visible(md, rows, positions)
             attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
                    self._window(md, rows, positions[rows]), chunk_main, entries, out=o[rows])
+
+    def _span_rows(self, md, rows: slice) -> tuple[int, int | None]:
+        """Host bounds on the buffer rows of a prefill call over the queries ``rows`` (``CacheSource.
+        span_rows_bound``): a request with n of them, at consecutive positions, names at most
+        n + window - 1 window entries, and at most L // ratio compressed ones at a length of at most L
+        tokens (None where vLLM gives no such lengths)."""
+        starts, lengths = md.query_starts, md.seq_len_bounds
+        counted = self.ratio and lengths is not None
+        window_rows = main_rows = 0
+        for r in range(len(starts) - 1):
+            queries = min(rows.stop, starts[r + 1]) - max(rows.start, starts[r])
+            if queries > 0:
+                window_rows += queries + self.window - 1
+                main_rows += lengths[r] // self.ratio if counted else 0
+        return window_rows, main_rows if counted else None
 
     def _query_chunk(self, slots: int) -> int:
         """Queries per call when each attends ``slots`` slots: ``QUERY_CHUNK``, fewer where their
