@@ -6,7 +6,11 @@
 
 Each engine runs in its own process (vLLM keeps process-global state; the in-tree one needs our
 plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming every shape up:
-  * time to ready: ``LLM(...)`` construction, wall clock;
+  * time to ready: ``LLM(...)`` construction, wall clock; with ``--first-start``, each engine is first
+    started once in a process of its own that only constructs it (compiling what its kernels and
+    vLLM's JIT-compile on a fresh machine, and reading the checkpoint into the page cache), and the
+    table shows that first start beside the measured run's, so that neither engine's start-up is
+    shortened by caches the other one filled;
   * decode output tok/s at batch 1 / 16 / 64: 1k-token prompts, 128 output tokens; the engine is
     stepped by hand and only the steps after every request has its first token are timed (no
     prefill or mixed step counted);
@@ -129,7 +133,7 @@ def draft_acceptance(llm) -> float:
 
 def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization: float,
                decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS, profile_path: Path | None = None,
-               mtp: int = 0) -> dict:
+               mtp: int = 0, ready_only: bool = False) -> dict:
     from vllm import LLM
 
     drafting = dict(speculative_config={"method": "mtp", "num_speculative_tokens": mtp}, disable_log_stats=False)
@@ -139,6 +143,8 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
               max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"], **(drafting if mtp else {}))
     result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm),
                   env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")})
+    if ready_only:
+        return result
     vocab = llm.llm_engine.model_config.get_vocab_size()
     for batch_size in decode_batches:
         result[f"decode_tok_s_b{batch_size}"] = decode_tok_s(llm, prompts(batch_size, PROMPT_LEN, batch_size, vocab),
@@ -196,7 +202,10 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
 
 def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
     """(key, label, format, which way is better) for the metrics present, in a fixed order."""
-    rows = [("time_to_ready_s", "time to ready (s)", "{:.1f}", "lower")]
+    rows = []
+    if "time_to_ready_first_s" in keys:
+        rows.append(("time_to_ready_first_s", "time to ready, first start (s)", "{:.1f}", "lower"))
+    rows.append(("time_to_ready_s", "time to ready (s)", "{:.1f}", "lower"))
     for b in sorted(int(k.rsplit("_b", 1)[1]) for k in keys if k.startswith("decode_tok_s_b")):
         rows.append((f"decode_tok_s_b{b}", f"decode tok/s, batch {b}", "{:.1f}", "higher"))
     for n in sorted(int(k.rsplit("_", 1)[1]) for k in keys if k.startswith("prefill_tok_s_")):
@@ -236,14 +245,18 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also write torch-profiler kernel tables of decode and prefill steps next to --out")
     ap.add_argument("--mtp", type=int, default=0, help="MTP draft tokens per step (speculative decoding); 0: off")
+    ap.add_argument("--first-start", action="store_true",
+                    help="start each engine once beforehand in its own process and report that start too")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--ready-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:  # one engine, in this process
         ints = lambda csv: tuple(int(v) for v in csv.split(","))  # noqa: E731
         profile_path = args.out.with_suffix(".profile") if args.profile else None
         result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
-                            ints(args.decode_batches), ints(args.prefill_lens), profile_path, args.mtp)
+                            ints(args.decode_batches), ints(args.prefill_lens), profile_path, args.mtp,
+                            args.ready_only)
         args.out.write_text(json.dumps(result, indent=2))
         return 0
     if args.report:
@@ -263,11 +276,19 @@ def main() -> int:
                "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens, "--mtp", str(args.mtp)]
+        first = None
+        if args.first_start:
+            if subprocess.run(cmd + ["--ready-only"], env=env).returncode != 0:
+                print(f"[{name}] first engine start failed", file=sys.stderr)
+                continue
+            first = json.loads(out.read_text())["time_to_ready_s"]
+            print(f"[{name}] first start: ready in {first:.1f} s", flush=True)
         cmd += ["--profile"] if args.profile else []
         if subprocess.run(cmd, env=env).returncode != 0:
             print(f"[{name}] engine run failed", file=sys.stderr)
             continue
-        results[name] = json.loads(out.read_text())
+        results[name] = json.loads(out.read_text()) | ({"time_to_ready_first_s": first} if first else {})
+        out.write_text(json.dumps(results[name], indent=2))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print(report(results))

@@ -26,7 +26,8 @@
 #   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
 #   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
-#                                      # (MTP=K before either: both engines draft K tokens per step)
+#                                      # (MTP=K before either: both engines draft K tokens per step;
+#                                      # FIRST_START=1: each engine started once before, that start reported too)
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -97,7 +98,7 @@ case "${1:-unit}" in
     engine=${1#bench-}
     flash_checkpoint
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile \
-      --mtp "${MTP:-0}" \
+      --mtp "${MTP:-0}" ${FIRST_START:+--first-start} \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40 ;;
