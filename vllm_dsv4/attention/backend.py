@@ -36,7 +36,8 @@ class CacheStepMetadata:
     # fixed-shape (CUDA-graph) path, which computes any step's tokens alike, each from its own position
     max_seq_len: int  # the longest request's tokens up to this step's last (host): widths without a device read
     query_starts: list[int]  # [R + 1] where each request's tokens start in the step (host)
-    seq_len_bounds: list[int] | None  # [R] at least each request's tokens up to this step's last (host)
+    seq_len_bounds: list[int] | None  # [R] at least each request's tokens up to this step's last (host;
+    # not in decode steps, which do not read it)
     # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
     # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
     # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
@@ -97,11 +98,12 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
         cm = common_attn_metadata
         num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
         starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
-        bounds = cm.seq_lens_cpu_upper_bound
+        decode_only = cm.max_query_len <= self._decode_query_len
+        bounds = None if decode_only else cm.seq_lens_cpu_upper_bound  # read by other steps only
         return CacheStepMetadata(
             block_table=cm.block_table_tensor[:num_reqs],
             token_to_req=self._token_requests.of(starts, num_tokens),
-            decode_only=cm.max_query_len <= self._decode_query_len,
+            decode_only=decode_only,
             max_seq_len=cm.max_seq_len,
             query_starts=starts,
             seq_len_bounds=None if bounds is None else bounds[:num_reqs].tolist(),
