@@ -3,6 +3,7 @@
 # order of value per minute (each stage fits a 10-minute slot; STAGE_LIMIT bounds one). Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   scripts/gpu_check.sh unit          # our kernels + modules against their references (~4 min)
+#   scripts/gpu_check.sh changed       # the GPU tests of what changed since the last device run (CHANGED_TESTS)
 #   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
 #                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
@@ -38,6 +39,8 @@ mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
+# since 2026-12-05's device run: the MoE decode tile, dense experts under graphs, bounded prefill spans
+CHANGED_TESTS="tests/csrc_triton/test_moe_mxfp4_kernel.py tests/model/test_flashmla_attention.py tests/model/test_graph_replay.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md
@@ -56,6 +59,9 @@ case "${1:-unit}" in
   unit)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
       -k "not ($VLLM_KERNEL_TESTS)" > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
+  changed)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short $CHANGED_TESTS > "$LOG_DIR/changed.log" 2>&1
+    summary "$LOG_DIR/changed.log" ;;
   vllm-kernels)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/model -k "$VLLM_KERNEL_TESTS" \
       > "$LOG_DIR/vllm_kernels.log" 2>&1; summary "$LOG_DIR/vllm_kernels.log" ;;
