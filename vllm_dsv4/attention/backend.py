@@ -62,7 +62,7 @@ class TokenRequests:
 
     def __init__(self, max_tokens: int, device):
         self.buffer = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self.holds = None  # (query_start_loc, num_tokens) of what the buffer holds
+        self.holds = None  # (starts, num_tokens) of the map the buffer holds
 
     @classmethod
     def shared(cls, max_tokens: int, device) -> TokenRequests:

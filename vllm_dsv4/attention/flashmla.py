@@ -220,13 +220,11 @@ def _spans(req: Tensor, num_req: int, entries: Tensor, offset: int, rows_bound: 
     base = (offset + start - lo)[r][:, None]  # [T, 1] kv row of entry 0's place
     indices = torch.where(valid, base + entries, -1)
     # host-built index tensors would each cost a synchronising pageable copy to the device
-    if rows_bound is None:
-        total = int(ends[-1]) if num_req else 0  # the one host read
+    if rows_bound is None or not num_req:
+        total = int(ends[-1]) if num_req else 0  # the one host read (none without requests)
         span_req = torch.repeat_interleave(torch.arange(num_req, device=req.device), counts, output_size=total)
         return GatheredSpans(span_req, lo[span_req] + torch.arange(total, device=req.device) - start[span_req],
                              indices, total)
-    if not num_req:
-        return GatheredSpans(*(torch.zeros(0, dtype=torch.int64, device=req.device),) * 2, indices, 0)
     torch._assert_async(ends[-1] <= rows_bound)  # a bound too low would index past the buffer
     row = torch.arange(rows_bound, device=req.device)
     span_req = torch.searchsorted(ends, row, right=True).clamp_(max=num_req - 1)  # [rows_bound]
