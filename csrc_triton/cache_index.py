@@ -18,7 +18,7 @@ from torch import Tensor
 BLOCK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "s_et"])
 def _global_slots_kernel(
     bt_ptr, req_ptr, entries_ptr, index_ptr, length_ptr,
     K, width, E, s_b0, s_b1, s_et, s_ek,

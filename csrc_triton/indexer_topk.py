@@ -69,7 +69,7 @@ def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_b
     return tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0.0).to(DTYPE)  # [BN, BDI]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, nv_ptr, bt_ptr, req_ptr, score_ptr,
     Tq, H, N, di, E,
@@ -244,7 +244,7 @@ def _topk(scores_of, num_visible: Tensor, Tq: int, N: int, topk: int, device: to
     if N == 0:
         return torch.full((Tq, topk), -1, dtype=torch.int64, device=device)
     out = torch.empty(Tq, topk, dtype=torch.int64, device=device)  # [Tq, topk], every slot written
-    chunk = max(1, _CHUNK_ELEMS // N)
+    chunk = max(16, _CHUNK_ELEMS // N // 16 * 16)  # slices start 16-aligned: compiled kernels specialise on it
     for s in range(0, Tq, chunk):
         rows = slice(s, s + chunk)
         select_topk(scores_of(rows), num_visible[rows], topk, out[rows])

@@ -184,7 +184,7 @@ def _store_values(ptr, value, mask, OUT_BF16: tl.constexpr):
     tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "s_ra", "s_ea"])
 def _read_kernel(
     view_ptr, bt_ptr, req_ptr, entry_ptr, out_ptr,
     B, E, C, D, nope, rope,
@@ -224,7 +224,7 @@ def _read_kernel(
         _store_values(o_row + c, q * _index_scale(row, nope, ok[:, None], s_v2)[:, None], m, OUT_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "s_ra", "s_ea"])
 def _write_kernel(
     view_ptr, bt_ptr, req_ptr, entry_ptr, val_ptr,
     B, E, C, D, nope, rope,
@@ -311,7 +311,7 @@ def _launch(kernel, view, block_table, req2, entry2, data, mode, dim, nope, rope
         block_c = triton.next_power_of_2(nope)
     else:
         block_c = min(triton.next_power_of_2(C), 256)
-    block_k = max(1, min(triton.next_power_of_2(B), 4096 // block_c, 64))
+    block_k = max(1, min(4096 // block_c, 64))  # not by B: one compiled kernel for every step size
     kernel[(A, triton.cdiv(B, block_k))](
         view, block_table, req2, entry2, data,
         B, entries_per_block, C, dim, nope, rope,

@@ -40,7 +40,7 @@ from csrc_triton.kv_cache import (
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _norm_rope_insert_kernel(
     x_ptr, w_ptr, pos_ptr, freq_ptr, view_ptr, bt_ptr, req_ptr, entry_ptr,
     N, D, pair0, E, C, nope, rope, eps,
@@ -115,7 +115,7 @@ def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions:
     if N == 0:
         return
     block_d = max(NOPE_BLOCK, triton.next_power_of_2(D))  # whole 64-value scale blocks for main entries
-    block_n = max(1, min(triton.next_power_of_2(N), 2048 // block_d))
+    block_n = max(1, 2048 // block_d)  # not by N: one compiled kernel for every step size
     _norm_rope_insert_kernel[(triton.cdiv(N, block_n),)](
         x, norm_weight, rope_positions, inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
         view, block_table, req, entry,

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _mhc_mix_kernel(
     x_ptr, fn_ptr, part_ptr, sq_ptr,
     T, D, M, ND, k_per_split,
@@ -61,7 +61,7 @@ def _mhc_mix_kernel(
     tl.store(sq_ptr + base, sq, mask=t_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _mhc_pre_kernel(
     x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
     T, D, M, num_splits, inv_nd, rms_eps, hc_eps, sinkhorn_iters,
@@ -139,8 +139,18 @@ def _mhc_post_kernel(
              mask=k_ok[:, None] & d_ok[None, :])
 
 
+MIX_BLOCK_K = 32  # the projection's k step
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SMs the projection is spread over (1 off the GPU)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
+def _cuda_sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -150,13 +160,14 @@ def _mix_config(T: int, nd: int, dtype: torch.dtype, device: torch.device) -> di
     bf16, n = 4, D = 4096): 64-token blocks x 32-wide k steps, 4 warps, is the fastest prefill tile
     (2.4x over 64 x 64 / 8 warps); at T <= 64 every tile measured within 10%."""
     block_t = 16 if T <= 512 else 64
-    block_k = 32
-    blocks = triton.cdiv(T, block_t)
-    sms = 1
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    splits = max(1, min(triton.cdiv(2 * sms, blocks), triton.cdiv(nd, 16 * block_k)))
-    return dict(BLOCK_T=block_t, BLOCK_K=block_k, splits=splits, num_warps=4)
+    splits = max(1, min(triton.cdiv(2 * _sm_count(device), triton.cdiv(T, block_t)), _max_splits(nd)))
+    return dict(BLOCK_T=block_t, BLOCK_K=MIX_BLOCK_K, splits=splits, num_warps=4)
+
+
+def _max_splits(nd: int) -> int:
+    """The most splits of the n*D axis (at least 16 k steps each): the pre kernel's sum over splits is
+    sized by it, not by the step's count, so that one compiled kernel serves every step size."""
+    return triton.cdiv(nd, 16 * MIX_BLOCK_K)
 
 
 def mhc_pre(
@@ -207,7 +218,7 @@ def mhc_pre(
         x, part, sq, base, scale, y, post, comb,
         T, D, M, splits, 1.0 / (n * D), float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         *x.stride(), *y.stride(),
-        N=n, NP=triton.next_power_of_2(n), SPLITS_P=triton.next_power_of_2(splits),
+        N=n, NP=triton.next_power_of_2(n), SPLITS_P=triton.next_power_of_2(_max_splits(n * D)),
         BLOCK_D=min(1024, triton.next_power_of_2(D)),
     )
     return y, post, comb

@@ -234,7 +234,7 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _expert_counts_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr):
     """counts[e] += the pairs routed to local expert e (E: skipped ids, anything outside [0, E))."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -243,7 +243,7 @@ def _expert_counts_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + e, 1, mask=j < P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_blocks"])
 def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, pair_of_row_ptr, block_expert_ptr, P, E, num_blocks,
                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Each pair to a row of its expert's BLOCK_M-row blocks (a slot taken by atomic increment: the

@@ -29,7 +29,7 @@ from csrc_triton.kv_cache import _store_values
 ROW_TILE = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     N, D, eps,
@@ -66,7 +66,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     rows = x.reshape(-1, D)  # [N, D]
     N = rows.shape[0]
     block_d = triton.next_power_of_2(D)
-    block_n = max(1, min(triton.next_power_of_2(N), ROW_TILE // block_d))
+    block_n = max(1, ROW_TILE // block_d)  # not by N: one compiled kernel for every step size
     _rms_norm_kernel[(triton.cdiv(N, block_n),)](
         rows, weight if weight is not None else rows, out,
         N, D, float(eps),

@@ -76,7 +76,7 @@ def _derotated_fp8_block(o_ptr, m, m_ok, head, ch0, d, s_ot, s_oh, s_od, cos_tai
     return tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_out_proj_kernel(
     o_ptr, cos_ptr, sin_ptr, w_ptr, ws_ptr, out_ptr,
     T, heads_per_group, d, nope, half_r, R, k_split,
@@ -123,7 +123,7 @@ def _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k, T_scales, s_qg, s_q
     tl.store(qs_ptr + g * s_sg + m * s_st + (k // BLOCK_K) * s_sk, tl.where(m_ok, scale, 0.0), mask=m < T_scales)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "T_scales", "s_sk"])
 def _rope_quant_kernel(
     o_ptr, cos_ptr, sin_ptr, q_ptr, qs_ptr,
     T, T_scales, heads_per_group, d, nope, half_r,

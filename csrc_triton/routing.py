@@ -35,7 +35,7 @@ def _sqrt_softplus(x):
     return tl.where(x < -20.0, tl.exp(0.5 * x), tl.sqrt(tl.maximum(x, 0.0) + log1p))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(
     logits_ptr, bias_ptr, hash_ptr, w_ptr, id_ptr,
     T, E, top_k, rsf,

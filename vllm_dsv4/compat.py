@@ -60,6 +60,12 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    ``get_transfer_results`` returns ``KVConnectorTransferResults.failed_recving``, which vLLM recomputes
    or fails by ``kv_load_failure_policy`` | ``reports_failed_loads()``, ``kv_transfer_results()``; on 0.26 a
    failed load raises naming the entry | 0.26 support ends.
+12. PATCH ``vllm.v1.worker.gpu_worker.kernel_warmup`` (0.26 and 0.32; the CPU worker does not call it):
+   vLLM's warm-up of JIT-compiled kernels before CUDA-graph capture, which warms its own DeepSeek-V4
+   attention backends by name only. ``patch_kernel_warmup(warm_up)`` runs ``warm_up(model_runner)``
+   after it when the runner's model is ours (serving/warmup.py: the dummy steps that compile our
+   Triton kernels before the engine is ready). Applied when our model is built, the first moment the
+   worker module is surely loaded in the worker's process. Delete when vLLM offers models a warm-up hook.
 """
 
 from __future__ import annotations
@@ -198,6 +204,25 @@ def mtp_draft_hf_config(hf_config):
         raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
                           "and this checkpoint has none (num_nextn_predict_layers = 0)")
     return hf_config
+
+
+def patch_kernel_warmup(warm_up: Callable) -> None:
+    """Ledger 12: ``warm_up(model_runner)`` after vLLM's kernel warm-up, for our models."""
+    import sys
+
+    worker_module = sys.modules.get("vllm.v1.worker.gpu_worker")
+    if worker_module is None or getattr(worker_module.kernel_warmup, "_dsv4_patched", False):
+        return  # a model built outside a worker (tests), or patched already
+    original = worker_module.kernel_warmup
+
+    @functools.wraps(original)
+    def kernel_warmup(worker) -> None:
+        original(worker)
+        if getattr(worker.get_model(), "warms_up_kernels", False):
+            warm_up(worker.model_runner)
+
+    kernel_warmup._dsv4_patched = True
+    worker_module.kernel_warmup = kernel_warmup
 
 
 def breakable_graphs() -> bool:

@@ -199,7 +199,6 @@ KERNEL_CASES = [
                  id="mhc-mix-decode"),
     pytest.param(mhc._mhc_mix_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1000, 4, 4096, torch.bfloat16, device="cpu"),
                  id="mhc-mix-prefill"),
-    # SPLITS_P is 2 here, 32 on an H200: mhc_pre splits the n*D axis by the SM count, which it reads on CUDA only
     pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"),
                  id="mhc-pre"),
     pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,

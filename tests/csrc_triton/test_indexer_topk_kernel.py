@@ -81,12 +81,13 @@ def test_indexer_topk_matches_ref(num_visible, N, H, di, topk, dtype, key_tiles)
 
 
 def test_indexer_topk_chunked(monkeypatch):
-    """Score chunks of 2 queries with a ragged end give the same selection as one chunk."""
+    """Score chunks of 16 queries (the fewest: slices stay 16-aligned) with a ragged end give the same
+    selection as one chunk."""
     from csrc_triton import indexer_topk as module
 
-    q, weights, keys, nv, topk = indexer_args([0, 1, 3, 5, 8, 10, 10], 10, 16, 8, 4, seed=2)
+    q, weights, keys, nv, topk = indexer_args([0, 1, 3, 5, 8, 10, 10, 7] * 5, 10, 16, 8, 4, seed=2)
     whole = indexer_topk(q, weights, keys, nv, topk)
-    monkeypatch.setattr(module, "_CHUNK_ELEMS", 2 * 10 + 1)
+    monkeypatch.setattr(module, "_CHUNK_ELEMS", 16 * 10 + 1)  # chunks of 16, 16 and 8 queries
     assert torch.equal(indexer_topk(q, weights, keys, nv, topk), whole)
 
 

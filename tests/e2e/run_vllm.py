@@ -145,6 +145,46 @@ def fill_uninitialized_memory(worker) -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
 
+def warm_up(worker) -> dict:
+    """Takes serving/warmup.py's steps (on a GPU vLLM's kernel warm-up has run them already; the CPU
+    worker never calls it) and counts the attention calls they made, by path. Called through
+    ``collective_rpc``."""
+    from vllm_dsv4 import ops
+    from vllm_dsv4.serving.warmup import warm_up_kernels
+
+    calls = {"decode": 0, "prefill": 0}
+    originals = {"decode": ops.sparse_attn_cached, "prefill": ops.sparse_attn_prefill}
+
+    def counted(path):
+        def call(*args, **kwargs):
+            calls[path] += 1
+            return originals[path](*args, **kwargs)
+        return call
+
+    ops.sparse_attn_cached, ops.sparse_attn_prefill = counted("decode"), counted("prefill")
+    try:
+        warm_up_kernels(worker.model_runner)
+    finally:
+        ops.sparse_attn_cached, ops.sparse_attn_prefill = originals["decode"], originals["prefill"]
+    return calls
+
+
+def count_kernel_compiles() -> list:
+    """Records each compile of one of our Triton kernels (module ``csrc_triton``) in this process (the
+    engine's: see __main__), by kernel name, through Triton's post-compile hook."""
+    import triton
+
+    compiles, chained = [], triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kwargs):
+        if fn.module.startswith("csrc_triton"):
+            compiles.append(fn.name)
+        return chained(fn=fn, **kwargs) if chained else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    return compiles
+
+
 def spec_decode_counters(llm) -> dict:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens), by metric name."""
     return {m.name: m.value for m in llm.get_metrics()
@@ -164,14 +204,18 @@ def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     preemptions, dummy_batches = count_preemptions(), count_dummy_batches()
     draft_rows = record_draft_logprobs() if job.get("record_draft_logprobs") else []
+    compiles = count_kernel_compiles() if job.get("count_kernel_compiles") else []
     engine_args = {"enforce_eager": True, **job["engine"]}  # CUDA graphs only where a job asks for them
     llm = LLM(model=job["model"], skip_tokenizer_init=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **engine_args)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     poisoned = sum(llm.collective_rpc(poison_kv_caches)) if job.get("poison_kv_cache") else 0
     filling = all(llm.collective_rpc(fill_uninitialized_memory)) if job.get("fill_uninitialized_memory") else False
+    warm_up_calls = llm.collective_rpc(warm_up) if job.get("warm_up_kernels") else []
+    compiled = {"before_ready": list(compiles), "batches": []}  # kernel names, by when they compiled
     batches = []
     for batch in job["batches"]:
+        compiled_before = len(compiles)
         # logprobs: True for the whole vocabulary, k for the top k (stored sparse), False for none
         want_logprobs = batch.get("logprobs", False)
         want_prompt_logprobs = batch.get("prompt_logprobs", want_logprobs)  # (vLLM skips prefix-cache hits for them)
@@ -195,6 +239,7 @@ def main(job_path: str, out_path: str) -> None:
             outputs = generate_with_preemptions(llm, prompts, params, set(batch["preempt_at_steps"]))
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+        compiled["batches"].append(compiles[compiled_before:])
         results = []
         for o in outputs:
             r = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens or 0,
@@ -208,6 +253,7 @@ def main(job_path: str, out_path: str) -> None:
         batches.append(results)
     torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches),
                 "poisoned_caches": poisoned, "filled_uninitialized_memory": filling, "draft_rows": draft_rows,
+                "warm_up_calls": warm_up_calls, "kernel_compiles": compiled,
                 "spec_decode": spec_decode_counters(llm) if "speculative_config" in job["engine"] else {}}, out_path)
 
 

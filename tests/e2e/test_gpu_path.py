@@ -31,6 +31,8 @@ cosine 0.993, top-1 0.80) cosine 0.9955, top-1 0.869; V4-Flash dims (6 layers, b
 exceeds ``DECISIVE_NATS`` = 0.5 nats, >= 99% (the model gives >= 99% up to eps ~ 0.15; measured
 0.997 and 0.995). The minimum cosine is printed, not asserted: it is set by flips at near-ties.
 
+Kernel compiles: none while serving (every variant serving needs compiles before the engine is ready).
+
 CUDA graphs: a generation of 128 tokens with decode steps replayed from full CUDA graphs (capture
 sizes up to the batch of 16, so the all-decode steps run the same kernels on the same shapes as
 eager) must give the same tokens and log-probs as eager; so must a chunked-prefill generation whose
@@ -171,6 +173,23 @@ def test_piecewise_graphs_match_eager(tmp_path_factory, ktiny_ckpt, piecewise_ea
     print(f"piecewise CUDA graphs vs eager: max |logprob difference| {worst:.3g} over {len(PROMPTS)} x 64 steps")
     assert [g["tokens"] for g in graphs] == [e["tokens"] for e in piecewise_eager]
     assert worst == 0
+
+
+def test_no_kernel_compiles_while_serving(tmp_path_factory, ktiny_ckpt):
+    """Our Triton kernels compile before the engine is ready (vLLM's warm-up and graph capture, then
+    serving/warmup.py's steps), none while it serves: one short prefill alone, then prefills of lengths
+    no warm-up step has (odd ones, past the largest step) batched with each other and with decodes,
+    decode steps of captured sizes (replayed) and of others (eager), a prompt past 2,000 tokens."""
+    batches = [{"prompts": make_prompts((3,), seed=7)}, {"prompts": make_prompts((17, 100, 777, 1000, 1500, 5), seed=8)},
+               {"prompts": make_prompts((2001,), seed=9)}]
+    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=False,
+                  compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 4})
+    result = run_vllm(tmp_path_factory.mktemp("compiles"), ktiny_ckpt, engine, batches, "compiles", max_tokens=8,
+                      count_kernel_compiles=True)
+    compiles = result["kernel_compiles"]
+    print(f"{len(compiles['before_ready'])} compiles of our kernels before ready")
+    assert compiles["before_ready"]  # the hook sees the engine's compiles
+    assert compiles["batches"] == [[]] * len(batches), compiles["batches"]
 
 
 def test_piecewise_graphs_pad_steps(tmp_path_factory, ktiny_ckpt, piecewise_eager):

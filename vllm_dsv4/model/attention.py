@@ -169,9 +169,11 @@ class Attention(nn.Module):
     def _query_chunk(self, slots: int) -> int:
         """Queries per call when each attends ``slots`` slots: ``QUERY_CHUNK``, fewer where their
         temporaries would pass ``ATTN_CALL_BYTES``. Depends on shapes only (a decode step's ``slots``
-        are fixed by max_model_len), so a CUDA graph replays the same calls."""
+        are fixed by max_model_len), so a CUDA graph replays the same calls. With kernels, a multiple
+        of 16: each pass's slices then start 16-byte aligned, as compiled kernels are specialised."""
         per_slot = 40 if ops.USE_KERNELS else 4 * self.head_dim
-        return max(1, min(QUERY_CHUNK, ATTN_CALL_BYTES // (slots * per_slot)))
+        chunk = max(1, min(QUERY_CHUNK, ATTN_CALL_BYTES // (slots * per_slot)))
+        return max(16, chunk // 16 * 16) if ops.USE_KERNELS else chunk
 
     def _window(self, md, rows: slice, positions):
         """SWA entries [t, W] of the queries ``rows``: the last ``window`` token positions up to each

@@ -77,11 +77,15 @@ def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -
     """``(num_visible [T], width)``: the compressed entries of ``ratio`` each query sees, (p + 1) // ratio,
     and how many a step scores or attends: ``max_entries`` in decode steps (fixed shapes, what a CUDA
     graph replays), else the step's largest count, from the longest request's length on the host (a
-    query at p sees (p + 1) // ratio). Once per step: every layer's are the same."""
+    query at p sees (p + 1) // ratio); either rounded up to a multiple of 16: Triton compiles the
+    kernels that take the width (scores, selection, attention, slot lists) once for widths divisible
+    by 16 and once for others, so a width that followed the step's length would compile while
+    serving. Once per step: every layer's are the same."""
 
     def count():
         num_visible = torch.div(positions + 1, ratio, rounding_mode="floor")
-        return num_visible, max_entries if md.decode_only else max(md.max_seq_len // ratio, 1)
+        width = max_entries if md.decode_only else max(md.max_seq_len // ratio, 1)
+        return num_visible, -(-width // 16) * 16
 
     return md.once(("visible entries", ratio), count)
 

@@ -8,12 +8,14 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from vllm_dsv4 import compat
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import Experts, MoE
 from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
+from vllm_dsv4.serving.warmup import warm_up_kernels
 
 
 class Block(nn.Module):
@@ -44,6 +46,8 @@ class Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """vLLM entry point for ``architectures: ["DeepseekV4ForCausalLM"]`` (overrides the in-tree model)."""
 
+    warms_up_kernels = True  # a runner with this model takes serving/warmup.py's steps (compat.py, ledger 12)
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
         self.cfg = cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
@@ -65,6 +69,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         rows = vllm_config.scheduler_config.max_num_batched_tokens if spec is not None and spec.use_eagle() else 0
         self.register_buffer("mtp_inputs", torch.empty(rows, cfg.hc_mult * cfg.hidden_size, dtype=dtype),
                              persistent=False)
+        compat.patch_kernel_warmup(warm_up_kernels)  # our dummy steps before the engine is ready
 
     # What vLLM's MTP proposer shares with the draft: ``target.model.embed_tokens`` and ``target.lm_head``.
     @property
