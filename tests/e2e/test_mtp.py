@@ -40,12 +40,13 @@ def greedy(reference):
 
 # (draft tokens per step, engine settings): two draft tokens per step with a second batch of the same
 # prompts served from the prefix cache (vLLM drops the last cached block of the draft's KV group, which
-# it recomputes); one with prompts prefilled in 64-token chunks (the draft runs on every chunk); one
+# it recomputes); one with prompts prefilled in 64-token chunks (the draft runs on every chunk) after
+# the warm-up steps a GPU engine takes before it is ready (serving/warmup.py, the draft in them); one
 # under tensor parallelism (the draft's heads and experts split like the main model's); one whose
 # prompts, all but their last token, a prefill engine left in a DSV4Connector store (the draft's cache
 # included)
 RUNS = {"k2-prefix-cache": (2, dict(enable_prefix_caching=True)),
-        "k1-chunked": (1, dict(max_num_batched_tokens=64, enable_chunked_prefill=True)),
+        "k1-chunked": (1, dict(max_num_batched_tokens=64, enable_chunked_prefill=True, warm_up=True)),
         "k1-tp2": (1, dict(tensor_parallel_size=2)),
         "k1-from-store": (1, dict(from_store=True))}
 if torch.cuda.is_available():  # verify steps (3 tokens per request) replayed from full CUDA graphs
@@ -61,6 +62,7 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     the draft's cache entry at that position keeps it, so later rows in its window differ from §7.)"""
     k, settings = RUNS[request.param]
     settings, env, work = dict(settings), {}, tmp_path_factory.mktemp(request.param)
+    warm_up = settings.pop("warm_up", False)
     spec = {"method": "mtp", "num_speculative_tokens": k}
     if settings.pop("from_store", False):
         producer = dict(ENGINE, speculative_config=spec, kv_transfer_config=connector(work / "store", "kv_producer"))
@@ -77,7 +79,9 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     engine = dict(ENGINE, speculative_config=spec, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
     run = run_vllm(work, tiny_ckpt_unquantized, engine, batches, request.param, env, max_tokens=NEW_TOKENS,
-                   record_draft_logprobs=record)
+                   record_draft_logprobs=record, warm_up_kernels=warm_up)
+    if warm_up:
+        assert all(calls["prefill"] and calls["decode"] for calls in run["warm_up_calls"]), run["warm_up_calls"]
     return k, dict(run, engine=engine, recorded=record)
 
 

@@ -23,7 +23,8 @@ WARM_UP_TOKENS = 1024  # a mixed step this size scores its queries with the inde
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
-    """Token counts of the warm-up steps: 1, 2, 4, ... up to ``WARM_UP_TOKENS`` and ``max_tokens``."""
+    """Sizes of the warm-up steps, 1, 2, 4, ... up to ``WARM_UP_TOKENS`` and ``max_tokens``: a decode
+    step's requests (one token each without MTP), a mixed step's tokens."""
     return [1 << k for k in range(WARM_UP_TOKENS.bit_length()) if 1 << k <= min(WARM_UP_TOKENS, max_tokens)]
 
 
@@ -32,10 +33,12 @@ def warm_up_kernels(runner) -> None:
     every row bound to the null block as in CUDA-graph capture, outputs discarded. Every rank of a
     data-parallel engine runs the same steps (they synchronise as vLLM's own warm-up steps do)."""
     started = time.perf_counter()
-    decode_tokens = runner.uniform_decode_query_len  # 1, or 1 + draft tokens with MTP
-    for tokens in warm_up_sizes(runner.scheduler_config.max_num_batched_tokens):
-        if tokens % decode_tokens == 0 and tokens <= runner.max_num_reqs * decode_tokens:
-            runner._dummy_run(tokens, force_attention=True, uniform_decode=True, skip_eplb=True, is_profile=True)
-        if tokens >= 2 and runner.max_num_reqs >= 2:
-            runner._dummy_run(tokens, force_attention=True, create_mixed_batch=True, skip_eplb=True, is_profile=True)
+    max_tokens = runner.scheduler_config.max_num_batched_tokens
+    query_tokens = runner.uniform_decode_query_len  # a decode's: 1, or 1 + its draft tokens with MTP
+    for size in warm_up_sizes(max_tokens):
+        if size <= runner.max_num_reqs and size * query_tokens <= max_tokens:  # size decodes
+            runner._dummy_run(size * query_tokens, force_attention=True, uniform_decode=True, skip_eplb=True,
+                              is_profile=True)
+        if size >= 2 and runner.max_num_reqs >= 2:  # size tokens: decodes + one prefill
+            runner._dummy_run(size, force_attention=True, create_mixed_batch=True, skip_eplb=True, is_profile=True)
     logger.info("vllm-dsv4: warm-up steps took %.1f s", time.perf_counter() - started)
