@@ -95,3 +95,25 @@ def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[resolved]
+
+
+def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(monkeypatch):
+    """Ledger 12: the worker's ``kernel_warmup`` runs vLLM's warm-up, then ours on the worker's model
+    runner when the model is ours; patching twice wraps once."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker import gpu_worker
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker.name)))
+    compat.patch_kernel_warmup(lambda runner: calls.append(("ours", runner)))
+    compat.patch_kernel_warmup(lambda runner: calls.append(("again", runner)))
+
+    def worker(name, model):
+        return SimpleNamespace(name=name, get_model=lambda: model, model_runner=f"{name}'s runner")
+
+    from vllm_dsv4.model.decoder import DeepseekV4ForCausalLM
+
+    gpu_worker.kernel_warmup(worker("ours", DeepseekV4ForCausalLM.__new__(DeepseekV4ForCausalLM)))
+    gpu_worker.kernel_warmup(worker("other", torch.nn.Linear(1, 1)))
+    assert calls == [("vllm", "ours"), ("ours", "ours's runner"), ("vllm", "other")]

@@ -73,6 +73,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
@@ -208,8 +209,6 @@ def mtp_draft_hf_config(hf_config):
 
 def patch_kernel_warmup(warm_up: Callable) -> None:
     """Ledger 12: ``warm_up(model_runner)`` after vLLM's kernel warm-up, for our models."""
-    import sys
-
     worker_module = sys.modules.get("vllm.v1.worker.gpu_worker")
     if worker_module is None or getattr(worker_module.kernel_warmup, "_dsv4_patched", False):
         return  # a model built outside a worker (tests), or patched already
