@@ -6,6 +6,10 @@
 
 Each engine runs in its own process (vLLM keeps process-global state; the in-tree one needs our
 plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming every shape up:
+  * first requests: right after the engine is ready, prompts of 777 and 3,001 tokens (2 output
+    tokens each, one after the other), then the same lengths again with other tokens: what the
+    first users of a fresh engine wait for compiles of kernels (any JIT: Triton, DeepGEMM, TileLang)
+    beyond what the same work costs warm;
   * time to ready: ``LLM(...)`` construction, wall clock; with ``--first-start``, each engine is first
     started once in a process of its own that only constructs it (compiling what its kernels and
     vLLM's JIT-compile on a fresh machine, and reading the checkpoint into the page cache), and the
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 DECODE_BATCHES = (1, 16, 64)
 PREFILL_LENS = (8192, 32768)
 PROMPT_LEN, OUTPUT_LEN = 1024, 128
+FIRST_REQUEST_LENS = (777, 3001)  # lengths no warm-up step of either engine has
 
 ENGINES = {
     # Decode steps replay full CUDA graphs (our layers are not torch.compiled, so nothing is piecewise).
@@ -106,6 +111,19 @@ def decode_tok_s(llm, batch, max_tokens: int) -> float:
     return (len(batch) * max_tokens - produced) / (time.perf_counter() - start)
 
 
+def first_requests_s(llm, vocab: int) -> tuple[float, float]:
+    """Seconds to serve ``FIRST_REQUEST_LENS``' prompts one after the other, first right after the
+    engine is ready, then again with other tokens (prefix caching is off)."""
+
+    def serve(seed: int) -> float:
+        start = time.perf_counter()
+        for length in FIRST_REQUEST_LENS:
+            llm.generate(prompts(1, length, seed + length, vocab), greedy(2), use_tqdm=False)
+        return time.perf_counter() - start
+
+    return serve(1), serve(2)
+
+
 def kv_capacity(llm) -> dict:
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
@@ -146,6 +164,9 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
     if ready_only:
         return result
     vocab = llm.llm_engine.model_config.get_vocab_size()
+    result["first_requests_s"], result["first_requests_again_s"] = first_requests_s(llm, vocab)
+    print(f"[{name}] first requests: {result['first_requests_s']:.2f} s, again {result['first_requests_again_s']:.2f} s",
+          flush=True)
     for batch_size in decode_batches:
         result[f"decode_tok_s_b{batch_size}"] = decode_tok_s(llm, prompts(batch_size, PROMPT_LEN, batch_size, vocab),
                                                              OUTPUT_LEN)
@@ -206,6 +227,9 @@ def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
     if "time_to_ready_first_s" in keys:
         rows.append(("time_to_ready_first_s", "time to ready, first start (s)", "{:.1f}", "lower"))
     rows.append(("time_to_ready_s", "time to ready (s)", "{:.1f}", "lower"))
+    if "first_requests_s" in keys:
+        rows += [("first_requests_s", "first requests after ready (s)", "{:.2f}", "lower"),
+                 ("first_requests_again_s", "the same again (s)", "{:.2f}", "lower")]
     for b in sorted(int(k.rsplit("_b", 1)[1]) for k in keys if k.startswith("decode_tok_s_b")):
         rows.append((f"decode_tok_s_b{b}", f"decode tok/s, batch {b}", "{:.1f}", "higher"))
     for n in sorted(int(k.rsplit("_", 1)[1]) for k in keys if k.startswith("prefill_tok_s_")):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 1024  # a mixed step this size scores its queries with the indexer's prefill tile (512+)
@@ -40,5 +42,18 @@ def warm_up_kernels(runner) -> None:
             runner._dummy_run(size * query_tokens, force_attention=True, uniform_decode=True, skip_eplb=True,
                               is_profile=True)
         if size >= 2 and runner.max_num_reqs >= 2:  # size tokens: decodes + one prefill
+            _place_mixed_step(runner.positions, size, runner.max_num_reqs)
             runner._dummy_run(size, force_attention=True, create_mixed_batch=True, skip_eplb=True, is_profile=True)
+    runner.positions.zero_()  # as vLLM left it
     logger.info("vllm-dsv4: warm-up steps took %.1f s", time.perf_counter() - started)
+
+
+def _place_mixed_step(positions: torch.Tensor, tokens: int, max_reqs: int) -> None:
+    """Positions for vLLM's mixed dummy step of ``tokens`` (``_dummy_run(create_mixed_batch=True)``:
+    min(max_reqs - 1, tokens // 2) decodes of sequence length 1, then one prefill of the rest, of
+    sequence length rest + 1): the decodes at 0, the prefill at 1 .. rest, as a real step would have
+    them, so that its queries see compressed entries and attention's reads of those run too (with
+    vLLM's zeros they see none)."""
+    decodes = min(max_reqs - 1, tokens // 2)
+    positions[:decodes] = 0
+    positions[decodes:tokens] = torch.arange(1, tokens - decodes + 1, device=positions.device)
