@@ -66,6 +66,12 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
    after it when the runner's model is ours (serving/warmup.py: the dummy steps that compile our
    Triton kernels before the engine is ready). Applied when our model is built, the first moment the
    worker module is surely loaded in the worker's process. Delete when vLLM offers models a warm-up hook.
+13. DeepGEMM warm-up sizes (GPU path) | ``vllm.model_executor.warmup.deep_gemm_warmup``:
+   ``_get_fp8_gemm_nt_m_values(w, max_tokens)``, the token counts at which vLLM's DeepGEMM warm-up
+   runs each of its own FP8 linear layers (``VLLM_DEEP_GEMM_WARMUP``: ``relax``, the default, the
+   counts where DeepGEMM's kernel choice changes; ``full``, every count; ``skip``, none); it finds
+   layers by vLLM's classes, so never ours | same | ``deep_gemm_warmup_sizes()`` (serving/warmup.py
+   runs our DeepGEMM-backed linears at them) | delete when vLLM's warm-up takes any DeepGEMM weight.
 """
 
 from __future__ import annotations
@@ -273,6 +279,23 @@ class BlockFp8Gemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x.to(torch.bfloat16).contiguous())
+
+    @property
+    def deep_gemm(self) -> bool:
+        """Whether DeepGEMM computes it (JIT-compiled per kernel choice: ledger 13)."""
+        return "deepgemm" in self.kernel.lower()
+
+
+def deep_gemm_warmup_sizes(out_features: int, device: torch.device, max_tokens: int) -> list[int]:
+    """Ledger 13: the token counts vLLM's DeepGEMM warm-up runs a linear layer of ``out_features`` rows at."""
+    try:
+        import vllm.envs as envs
+        from vllm.model_executor.warmup.deep_gemm_warmup import _get_fp8_gemm_nt_m_values
+    except ImportError:
+        return []
+    if envs.VLLM_DEEP_GEMM_WARMUP == "skip":
+        return []
+    return _get_fp8_gemm_nt_m_values(torch.empty(out_features, 0, device=device), max_tokens)
 
 
 class _KernelLayer:

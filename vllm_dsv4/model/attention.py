@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q = ops.norm_rope_tail(q, positions, self.inv_freq, self.eps)  # [T, H, d], per-head norm then RoPE
         o = torch.empty_like(q)
         self._attend(x, q_latent, q, kv, positions, o)
-        return self.wo_b(self._out_proj(o, positions))
+        return self.wo_b(self.out_proj(o, positions))
 
     def _attend_eager(self, x, q_latent, q, kv, positions, o) -> None:
         """Insert this step's KV, compress, pick C4 entries and attend: o [T, H, d] written in place
@@ -192,7 +192,7 @@ class Attention(nn.Module):
 
         return md.once(("c128 entries", rows.start, rows.stop), make)
 
-    def _out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one
         kernel, de-rotate and quantise then one grouped GEMM, or the rope kernel then one GEMM per
         group (``ops.OUT_PROJ``; ``auto`` picks by step size)."""

@@ -1,4 +1,4 @@
-"""Steps run before the engine reports ready, so that Triton compiles our kernels then, not while serving.
+"""Work run before the engine reports ready, so that our kernels compile then, not while serving.
 
 Triton compiles a kernel variant the first time a launch needs it: seconds per variant, a stall of
 every request in the step. vLLM's own pre-ready steps leave variants out: its profile run binds no
@@ -9,7 +9,8 @@ that many tokens (decodes + one prefill: the prefill path of attention, the comp
 indexer's and FlashMLA's). The kernels choose their variants by step size only at powers of two or
 at thresholds between them, and not at all by a step's lengths
 (tests/csrc_triton/test_jit_variants.py holds them to these sizes); the profile run covers
-``max_num_batched_tokens``.
+``max_num_batched_tokens``. Last, our DeepGEMM-backed FP8 linears run at the token counts vLLM's
+DeepGEMM warm-up uses for its own layers, which it finds by class and so never ours.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import logging
 import time
 
 import torch
+
+from vllm_dsv4 import compat
+from vllm_dsv4.model.attention import Attention
+from vllm_dsv4.model.layers import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +33,52 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     """Sizes of the warm-up steps, 1, 2, 4, ... up to ``WARM_UP_TOKENS`` and ``max_tokens``: a decode
     step's requests (one token each without MTP), a mixed step's tokens."""
     return [1 << k for k in range(WARM_UP_TOKENS.bit_length()) if 1 << k <= min(WARM_UP_TOKENS, max_tokens)]
+
+
+def warm_up_deep_gemm(model: torch.nn.Module, max_tokens: int) -> int:
+    """Runs each DeepGEMM user of ``model`` (FP8 linears; ``wo_a``'s grouped GEMM, which takes steps over
+    the fused kernel's sizes), once per weight shape, at the token counts vLLM's DeepGEMM warm-up runs
+    its own linear layers at (``VLLM_DEEP_GEMM_WARMUP``; compat.py, ledger 13): DeepGEMM compiles a
+    kernel per choice of tiles, which changes with the count, and vLLM's warm-up does not see our
+    layers. Returns the calls made."""
+    shapes, calls = set(), 0
+    for module in model.modules():
+        target = _deep_gemm_target(module)
+        if target is None or target[0] in shapes:
+            continue
+        shape, rows, device, make_call = target
+        shapes.add(shape)
+        call = make_call(max_tokens)
+        for tokens in compat.deep_gemm_warmup_sizes(rows, device, max_tokens):
+            call(tokens)
+            calls += 1
+    return calls
+
+
+def _deep_gemm_target(module: torch.nn.Module) -> tuple | None:
+    """(weight shape, output rows, device, max_tokens -> call at n tokens) where ``module`` computes with
+    DeepGEMM, else None."""
+    if isinstance(module, Linear):
+        gemm = next((g for g in module.gemms if g.deep_gemm), None)
+        if gemm is None:
+            return None
+        rows, cols, device = module.out_features // module.groups, module.in_features, module.weight.device
+
+        def make_call(max_tokens: int):
+            x = torch.zeros(max_tokens, cols, dtype=torch.bfloat16, device=device)
+            return lambda n: gemm(x[:n])
+
+        return (rows, cols), rows, device, make_call
+    if isinstance(module, Attention) and module.wo_a.grouped_gemm is not None:
+        wo_a, device = module.wo_a, module.wo_a.weight.device
+
+        def make_call(max_tokens: int):
+            o = torch.zeros(max_tokens, module.num_heads, module.head_dim, dtype=torch.bfloat16, device=device)
+            positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+            return lambda n: module.out_proj(o[:n], positions[:n])
+
+        return ("wo_a", wo_a.out_features, wo_a.in_features), module.o_rank, device, make_call
+    return None
 
 
 def warm_up_kernels(runner) -> None:
@@ -45,7 +96,9 @@ def warm_up_kernels(runner) -> None:
             _place_mixed_step(runner.positions, size, runner.max_num_reqs)
             runner._dummy_run(size, force_attention=True, create_mixed_batch=True, skip_eplb=True, is_profile=True)
     runner.positions.zero_()  # as vLLM left it
-    logger.info("vllm-dsv4: warm-up steps took %.1f s", time.perf_counter() - started)
+    gemm_calls = warm_up_deep_gemm(runner.get_model(), max_tokens)
+    logger.info("vllm-dsv4: warm-up steps and %d DeepGEMM calls took %.1f s", gemm_calls,
+                time.perf_counter() - started)
 
 
 def _place_mixed_step(positions: torch.Tensor, tokens: int, max_reqs: int) -> None:
