@@ -37,6 +37,9 @@ FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
 LIMIT=${STAGE_LIMIT:-560}  # seconds per stage; lower it to fit two stages into one device call
 mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
+# DeepGEMM's warm-up of every kernel choice (vLLM's default, which ours follows) takes many minutes on a
+# fresh machine: the stages skip it unless asked (their engines then compile DeepGEMM kernels as needed)
+export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
 # since 2026-12-05's device run: the MoE decode tile, dense experts under graphs, bounded prefill spans;
