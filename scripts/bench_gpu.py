@@ -209,8 +209,12 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     averages = prof.key_averages()
     tables = [averages.table(sort_by="self_cuda_time_total", row_limit=45)] if cuda else []
     tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+    # GPU work items per step (kernels, copies, memsets): a replayed graph's nodes, each of which its
+    # launch pays for on the host
+    device_events = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
     path.write_text(f"{len(batch)} requests, {steps} engine steps profiled, {wall * 1e3:.1f} ms wall clock "
-                    f"(under the profiler)\n" + "\n".join(tables))
+                    f"(under the profiler), {device_events / max(steps, 1):.0f} GPU kernels / copies / memsets "
+                    f"per step\n" + "\n".join(tables))
     if prefill:
         trace = path.with_suffix(".trace.json")
         prof.export_chrome_trace(str(trace))
