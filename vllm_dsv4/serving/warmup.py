@@ -48,16 +48,17 @@ def warm_up_deep_gemm(model: torch.nn.Module, max_tokens: int) -> int:
             continue
         shape, rows, device, make_call = target
         shapes.add(shape)
-        call = make_call(max_tokens)
-        for tokens in compat.deep_gemm_warmup_sizes(rows, device, max_tokens):
+        sizes = compat.deep_gemm_warmup_sizes(rows, device, max_tokens)
+        call = make_call(max(sizes, default=0))
+        for tokens in sizes:
             call(tokens)
             calls += 1
     return calls
 
 
 def _deep_gemm_target(module: torch.nn.Module) -> tuple | None:
-    """(weight shape, output rows, device, max_tokens -> call at n tokens) where ``module`` computes with
-    DeepGEMM, else None."""
+    """(weight shape, output rows, device, most tokens -> call at n tokens) where ``module`` computes
+    with DeepGEMM, else None."""
     if isinstance(module, Linear):
         gemm = next((g for g in module.gemms if g.deep_gemm), None)
         if gemm is None:
