@@ -5,7 +5,10 @@ batches of prompts (token ids); each batch is one ``generate`` call, optionally 
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
 (integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
-scored. Every engine gets its own process because vLLM on CPU spawns workers and keeps process-global state.
+scored; ``warm_up_kernels`` takes serving/warmup.py's steps before the first batch (counting their
+attention calls); ``count_kernel_compiles`` lists our Triton kernels' compiles before ready and in
+each batch. Every engine gets its own process because vLLM on CPU spawns workers and keeps
+process-global state.
 """
 
 import json
