@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_check.sh unit          # our kernels + modules against their references (~4 min)
 #   scripts/gpu_check.sh changed       # the GPU tests of what changed since the last device run (CHANGED_TESTS)
+#   scripts/gpu_check.sh compiles      # no compile of our Triton kernels while an engine serves (one engine run)
 #   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
 #                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
@@ -45,8 +46,7 @@ VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8
 # since 2026-12-05's device run: the MoE decode tile, dense experts under graphs, bounded prefill spans;
 # kernels compiled once for every step size (fixed row tiles, mHC's split sum), then no compile while serving
 CHANGED_TESTS="tests/csrc_triton/test_moe_mxfp4_kernel.py tests/model/test_flashmla_attention.py tests/model/test_graph_replay.py
-  tests/csrc_triton/test_norm_kernel.py tests/csrc_triton/test_mhc_kernel.py tests/csrc_triton/test_kv_insert_kernel.py
-  tests/e2e/test_gpu_path.py::test_no_kernel_compiles_while_serving"
+  tests/csrc_triton/test_norm_kernel.py tests/csrc_triton/test_mhc_kernel.py tests/csrc_triton/test_kv_insert_kernel.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md
@@ -55,7 +55,7 @@ if not any(e.value.startswith("vllm_dsv4") for e in md.entry_points(group="vllm.
     sys.exit(f"vllm_dsv4's entry point is not installed for {sys.executable}: "
              "run `python -m pip install --no-deps --no-build-isolation -e .` with this python")
 PY
-summary() { grep -E "passed|failed|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|compiles of our kernels|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1
@@ -68,6 +68,10 @@ case "${1:-unit}" in
   changed)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short $CHANGED_TESTS > "$LOG_DIR/changed.log" 2>&1
     summary "$LOG_DIR/changed.log" ;;
+  compiles)
+    timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
+      tests/e2e/test_gpu_path.py::test_no_kernel_compiles_while_serving > "$LOG_DIR/compiles.log" 2>&1
+    summary "$LOG_DIR/compiles.log" ;;
   vllm-kernels)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/model -k "$VLLM_KERNEL_TESTS" \
       > "$LOG_DIR/vllm_kernels.log" 2>&1; summary "$LOG_DIR/vllm_kernels.log" ;;
