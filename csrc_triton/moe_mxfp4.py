@@ -244,24 +244,34 @@ def _expert_counts_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
-def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, pair_of_row_ptr, block_expert_ptr, P, E, num_blocks,
-                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, bounds_ptr, pair_of_row_ptr, block_expert_ptr, P, E, num_blocks,
+                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_BLOCK_E: tl.constexpr):
     """Each pair to a row of its expert's BLOCK_M-row blocks (a slot taken by atomic increment: the
     order within an expert varies, each row's result does not); the first programs also write
-    block_expert."""
+    block_expert. Every program works out each expert's first and end block (a cumsum over the
+    counts) and stores them to ``bounds`` [2, BLOCK_E]: the same values from every program, so their
+    stores race harmlessly; a pair then reads its expert's, a block finds its expert by binary search."""
     ex = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + ex, mask=ex < E, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [BE]
-    block_end = tl.cumsum(blocks, 0)  # [BE]
+    block_end = tl.cumsum(blocks, 0)  # [BE]; past E: the total
+    tl.store(bounds_ptr + ex, block_end - blocks)
+    tl.store(bounds_ptr + BLOCK_E + ex, block_end)
+    tl.debug_barrier()  # this program's stores, read back below by its other threads
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + j, mask=j < P, other=0).to(tl.int32)
     live = (j < P) & (e >= 0) & (e < E)
-    # first row of e's blocks: BLOCK_M * (blocks of the experts before e)
-    start = tl.sum(tl.where(ex[None, :] < e[:, None], blocks[None, :], 0), 1) * BLOCK_M  # [BLOCK]
-    slot = tl.atomic_add(cursor_ptr + tl.where(live, e, 0), 1, mask=live)
+    e = tl.where(live, e, 0)
+    start = tl.load(bounds_ptr + e, mask=live, other=0) * BLOCK_M  # [BLOCK] first row of e's blocks
+    slot = tl.atomic_add(cursor_ptr + e, 1, mask=live)
     tl.store(pair_of_row_ptr + start + slot, j.to(tl.int32), mask=live)
+    # expert of block b: how many experts end by b (block_end rises with e), found in LOG2_BLOCK_E halvings
     b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # this program's share of the blocks
-    expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)  # [BLOCK] experts ending by b
+    expert = tl.zeros([BLOCK], tl.int32)
+    for level in tl.static_range(LOG2_BLOCK_E):
+        step = BLOCK_E >> (level + 1)
+        ends_by_b = tl.load(bounds_ptr + BLOCK_E + expert + step - 1) <= b
+        expert = tl.where(ends_by_b, expert + step, expert)
     tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
 
 
@@ -270,15 +280,17 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     pairs within each expert's rows); no host sync."""
     E, P, dev = num_experts, ids.numel(), ids.device
     num_blocks = triton.cdiv(P, block_m) + min(E, P)
+    block_e = triton.next_power_of_2(E + 1)
     scratch = torch.zeros(2, E + 1, dtype=torch.int32, device=dev)  # counts, cursors
+    bounds = torch.empty(2, block_e, dtype=torch.int32, device=dev)  # experts' first and end blocks
     pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1)
     block = 128
     grid = (triton.cdiv(max(P, num_blocks), block),)
     _expert_counts_kernel[(triton.cdiv(P, block),)](flat, scratch[0], P, E, BLOCK=block)
-    _place_pairs_kernel[grid](flat, scratch[0], scratch[1], pair_of_row, block_expert, P, E, num_blocks,
-                              BLOCK_M=block_m, BLOCK=block, BLOCK_E=triton.next_power_of_2(E + 1))
+    _place_pairs_kernel[grid](flat, scratch[0], scratch[1], bounds, pair_of_row, block_expert, P, E, num_blocks,
+                              BLOCK_M=block_m, BLOCK=block, BLOCK_E=block_e, LOG2_BLOCK_E=block_e.bit_length() - 1)
     return pair_of_row, block_expert
 
 
