@@ -112,8 +112,12 @@ def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(mo
     def worker(name, model):
         return SimpleNamespace(name=name, get_model=lambda: model, model_runner=f"{name}'s runner")
 
+    from vllm_dsv4 import ops
     from vllm_dsv4.model.decoder import DeepseekV4ForCausalLM
 
-    gpu_worker.kernel_warmup(worker("ours", DeepseekV4ForCausalLM.__new__(DeepseekV4ForCausalLM)))
+    assert DeepseekV4ForCausalLM.warms_up_kernels == ops.USE_KERNELS  # nothing compiles on the reference ops
+    gpu_worker.kernel_warmup(worker("ours", SimpleNamespace(warms_up_kernels=True)))
+    gpu_worker.kernel_warmup(worker("ours on the reference ops", SimpleNamespace(warms_up_kernels=False)))
     gpu_worker.kernel_warmup(worker("other", torch.nn.Linear(1, 1)))
-    assert calls == [("vllm", "ours"), ("ours", "ours's runner"), ("vllm", "other")]
+    assert calls == [("vllm", "ours"), ("ours", "ours's runner"), ("vllm", "ours on the reference ops"),
+                     ("vllm", "other")]

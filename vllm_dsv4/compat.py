@@ -63,7 +63,8 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
 12. PATCH ``vllm.v1.worker.gpu_worker.kernel_warmup`` (0.26 and 0.32; the CPU worker does not call it):
    vLLM's warm-up of JIT-compiled kernels before CUDA-graph capture, which warms its own DeepSeek-V4
    attention backends by name only. ``patch_kernel_warmup(warm_up)`` runs ``warm_up(model_runner)``
-   after it when the runner's model is ours (serving/warmup.py: the dummy steps that compile our
+   after it when the runner's model is ours and runs our kernels, not the reference ops
+   (``warms_up_kernels``; serving/warmup.py: the dummy steps that compile our
    Triton kernels before the engine is ready). Applied when our model is built, the first moment the
    worker module is surely loaded in the worker's process. Delete when vLLM offers models a warm-up hook.
 13. DeepGEMM warm-up sizes (GPU path) | ``vllm.model_executor.warmup.deep_gemm_warmup``:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from vllm_dsv4 import compat
+from vllm_dsv4 import compat, ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
@@ -46,7 +46,9 @@ class Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """vLLM entry point for ``architectures: ["DeepseekV4ForCausalLM"]`` (overrides the in-tree model)."""
 
-    warms_up_kernels = True  # a runner with this model takes serving/warmup.py's steps (compat.py, ledger 12)
+    # A runner with this model takes serving/warmup.py's steps (compat.py, ledger 12): where kernels compile
+    # (with the reference ops, VLLM_DSV4_OPS=reference, nothing would)
+    warms_up_kernels = ops.USE_KERNELS
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
