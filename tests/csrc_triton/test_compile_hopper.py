@@ -3,9 +3,9 @@
 Every kernel that a launcher of ``csrc_triton`` launches is compiled at least once, at V4-Flash shapes.
 Each launcher runs on CPU tensors with its kernels' ``run`` captured; the captured launch is then
 compiled for sm_90 through PTX to a cubin (Triton ships ptxas), with the argument specialisation
-Triton's launcher applies (an int equal to 1 becomes a constant, ints and pointers divisible by 16
-get that hint), so the code the GPU would build is built here. This catches what the interpreter
-accepts but the compiler does not (a kernel reading a plain Python global, an unsupported op), and
+Triton's launcher applies (its own binding: an int equal to 1 becomes a constant, ints and pointers
+divisible by 16 get that hint, except where ``do_not_specialize`` says), so the code the GPU would
+build is built here. This catches what the interpreter accepts but the compiler does not (a kernel reading a plain Python global, an unsupported op), and
 checks the resources an H200 launch needs: shared memory within the 227 KiB a block may use, and the
 FP8 tensor-core instruction where a tile is meant to use it. The local Triton may be newer than the
 device's (3.6 with vLLM 0.26); the GPU runs are the final word.
@@ -21,7 +21,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -40,9 +41,6 @@ pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter replaces comp
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 227 * 1024  # per block on H100 / H200
-TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-                torch.int32: "i32", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
-                torch.bool: "u1"}  # Triton's launcher passes bool tensors as u1
 
 
 def captured_launches(kernel, launcher, *args) -> list[tuple[tuple, dict]]:
@@ -59,27 +57,34 @@ def captured_launches(kernel, launcher, *args) -> list[tuple[tuple, dict]]:
     return launches
 
 
+def launch_specialisation(kernel, args: tuple, kwargs: dict) -> list[tuple]:
+    """Per parameter of one captured launch, ``(index, param, value, type, hint)`` as Triton's launcher
+    binds it (its own ``specialize_impl``, honouring ``do_not_specialize``): a constexpr as
+    ``("constexpr", value)``, an int equal to 1 as ``("constexpr", 1)``, ``"D"`` for an int or a
+    pointer divisible by 16."""
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    specs = []
+    for index, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            kind, hint = "constexpr", value
+        else:
+            kind, hint = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
+        specs.append((index, param, value, kind, hint))
+    return specs
+
+
 def compile_for_hopper(kernel, args: tuple, kwargs: dict):
     """Compile one captured launch for sm_90 with the launcher's specialisation (module doc)."""
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
-    bound = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in options}
     signature, constants, attrs = {}, {}, {}
-    for index, param in enumerate(kernel.params):
-        value = bound[param.name]
-        if param.is_constexpr or (type(value) is int and value == 1):
-            signature[param.name], constants[(index,)] = "constexpr", value
-        elif torch.is_tensor(value):
-            signature[param.name] = "*" + TRITON_TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-        elif type(value) is int:
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0:
-                attrs[(index,)] = [["tt.divisibility", 16]]
-        elif type(value) is float:
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{param.name}: cannot specialise {type(value)}")
+    for index, param, value, kind, hint in launch_specialisation(kernel, args, kwargs):
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constants[(index,)] = hint
+        elif hint == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=HOPPER, options=options)
 
 

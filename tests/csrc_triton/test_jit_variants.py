@@ -28,16 +28,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
-
 from csrc_triton import (  # noqa: E402
     cache_index, compressor, indexer_topk, kv_cache, kv_insert, mhc, moe_mxfp4, norm, out_proj, rope, routing,
     sparse_attn,
 )
 from tests.csrc_triton import kernel_cases as kc  # noqa: E402
 from tests.csrc_triton.kernel_cases import INTERPRET  # noqa: E402
-from tests.csrc_triton.test_compile_hopper import V4_INDEX, V4_MAIN, captured_launches  # noqa: E402
+from tests.csrc_triton.test_compile_hopper import (  # noqa: E402
+    V4_INDEX, V4_MAIN, captured_launches, launch_specialisation,
+)
 from vllm_dsv4.serving.warmup import warm_up_sizes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
@@ -59,22 +58,16 @@ def h200_sm_count(monkeypatch):
 def key(kernel, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
     """(tile choice, runtime specialisation) of one launch: the two parts of Triton's cache key for
     it (``JITFunction.run``). Tile choice: constexpr values, launch options, tensor dtypes. Runtime:
-    per other argument its type and hint as the launcher's binder computes them (honouring
-    ``do_not_specialize``), a tensor's alignment hint."""
-    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    per other argument its type and hint as the launcher binds it, a tensor's alignment hint."""
     tiles, runtime = [], []
-    for param in kernel.params:
-        value = bound[param.name]
+    for _, param, value, kind, hint in launch_specialisation(kernel, args, kwargs):
         if param.is_constexpr:
             tiles.append((param.name, value))
+        elif torch.is_tensor(value):  # its dtype is the launcher's choice (fp32 partial sums, say)
+            tiles.append((param.name, kind))
+            runtime.append((param.name, hint))
         else:
-            kind, hint = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
-                                                not param.do_not_specialize_on_alignment)
-            if torch.is_tensor(value):  # its dtype is the launcher's choice (fp32 partial sums, say)
-                tiles.append((param.name, kind))
-                runtime.append((param.name, hint))
-            else:
-                runtime.append((param.name, kind, hint))
+            runtime.append((param.name, kind, hint))
     options = sorted((k, v) for k, v in kwargs.items() if k not in kernel.arg_names)
     return tuple(tiles + options), tuple(runtime)
 
