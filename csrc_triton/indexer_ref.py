@@ -68,14 +68,16 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
 
 
 def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Tensor, req: Tensor,
-                       num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int) -> Tensor:
+                       num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int,
+                       weight_scale: float = 1.0) -> Tensor:
     """:func:`indexer_topk` of a batch of queries, each against its own request's keys in a paged cache
     component (the Triton kernel reads them in place; here each request's are gathered once, for all
     its rows: a prefill chunk's queries share them, and a gather per row would hold [B, N, di] keys,
     gigabytes for one long prompt).
 
     Args:
-        q: ``[B, H, di]`` indexer queries (RoPE applied); weights ``[B, H]`` scaled head weights.
+        q: ``[B, H, di]`` indexer queries (RoPE applied); weights ``[B, H]`` head weights (the
+            projection's output, any float dtype), scaled by ``weight_scale`` in fp32 here.
         view: ``[num_blocks, E, C]`` the indexer cache component (raw keys, or uint8 FP8 entries), any strides.
         block_table: ``[R, max_blocks]`` int32 / int64, covering ``max_entries`` entries (vLLM's covers
             ``max_model_len``): entry n of request r is ``view[block_table[r, n // E], n % E]``.
@@ -85,10 +87,12 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
         fp8: None (raw keys) or the FP8 indexer entry spec (``rope_dim is None``).
         topk: ``index_topk``.
         max_entries: ``N``, static bound on ``num_visible``.
+        weight_scale: the heads' common scale (``index_head_dim^-0.5 * index_n_heads^-0.5``).
 
     Returns:
         ``[B, topk]`` int64 as :func:`indexer_topk`, every slot of a padding row -1.
     """
+    weights = weights.float() * weight_scale
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)  # padding rows stay -1
     entry = torch.arange(max_entries, device=q.device)  # [N]
     for r in req[req >= 0].unique():

@@ -72,7 +72,7 @@ def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_b
 @triton.jit(do_not_specialize=["Tq"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, nv_ptr, bt_ptr, req_ptr, score_ptr,
-    Tq, H, N, di, E,
+    Tq, H, N, di, E, w_scale,
     s_qt, s_qh, s_qd, s_wt, s_wh, s_k0, s_kn, s_kd, s_r, s_bt0, s_bt1, s_st, s_sn,
     PAGED: tl.constexpr, FP8: tl.constexpr, HW_E4M3: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DI: tl.constexpr,
@@ -108,7 +108,7 @@ def _indexer_scores_kernel(
                 q = tl.load(q_ptr + t * s_qt + h[:, None] * s_qh + c[None, :] * s_qd,
                             mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(DTYPE)  # [BH, BDI]
                 logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BN, BH] fp32
-                wh = tl.load(w_ptr + t * s_wt + h * s_wh, mask=h_ok, other=0.0).to(tl.float32)  # [BH]
+                wh = tl.load(w_ptr + t * s_wt + h * s_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale  # [BH]
                 score = tl.sum(tl.maximum(logits, 0.0) * wh[None, :], 1)  # [BN]
                 tl.store(score_ptr + t * s_st + n * s_sn, tl.where(vis, score, float("-inf")), mask=n < N)
     else:
@@ -124,8 +124,9 @@ _INTERPRETED = not isinstance(_indexer_scores_kernel, JITFunction)
 
 def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_strides: tuple, N: int,
             fp8_keys: bool = False, block_table: Tensor | None = None, req: Tensor | None = None,
-            entries_per_block: int = 1) -> Tensor:
-    """``[Tq, N]`` fp32 scores, -inf at ``w >= num_visible[t]`` (``[Tq]`` on q's device).
+            entries_per_block: int = 1, weight_scale: float = 1.0) -> Tensor:
+    """``[Tq, N]`` fp32 scores, -inf at ``w >= num_visible[t]`` (``[Tq]`` on q's device); the head
+    weights times ``weight_scale`` in fp32.
 
     Key ``w`` of query ``t`` is at ``keys + t * s0 + w * s1`` (``key_strides = (s0, s1, s_value)``), or,
     with a ``block_table``, at ``keys + block_table[req[t], w // E] * s0 + (w % E) * s1``.
@@ -149,7 +150,7 @@ def _scores(q: Tensor, weights: Tensor, num_visible: Tensor, keys: Tensor, key_s
     tokens = 8 if Tq >= PREFILL_QUERIES and (paged or key_strides[0] == 0) else 1
     _indexer_scores_kernel[(triton.cdiv(Tq, tokens), triton.cdiv(N, block_n))](
         q, weights, keys, num_visible, block_table, req, scores,
-        Tq, H, N, di, entries_per_block,
+        Tq, H, N, di, entries_per_block, float(weight_scale),
         *q.stride(), *weights.stride(), *key_strides, req.stride(0), *block_table.stride(), *scores.stride(),
         PAGED=paged, FP8=fp8_keys, HW_E4M3=fp8_keys and hardware_e4m3(q.device), TOKENS=tokens,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DI=block_di,
@@ -275,16 +276,17 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, num_visible: Tensor, 
 
 
 def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Tensor, req: Tensor,
-                       num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int) -> Tensor:
+                       num_visible: Tensor, entries_per_block: int, fp8, topk: int, max_entries: int,
+                       weight_scale: float = 1.0) -> Tensor:
     """:func:`indexer_ref.indexer_topk_paged` (same arguments and result), keys read in the kernel
-    straight from the paged cache, FP8 entries decoded in registers.
+    straight from the paged cache, FP8 entries decoded in registers, the head weights scaled there.
 
     CUDA-graph safe: no host synchronisation, every shape fixed by the arguments' shapes and
     ``max_entries``. Padding rows (``req < 0``) and entry blocks at or past ``num_visible`` read no key.
 
     Args:
         q: ``[B, H, di]`` indexer queries (RoPE applied), fp32 / bf16; one decode query per row.
-        weights: ``[B, H]`` scaled head weights.
+        weights: ``[B, H]`` head weights, any float dtype (scaled by ``weight_scale`` in fp32).
         view: ``[num_blocks, E, C]`` the indexer cache component, any strides: raw keys (q's dtype,
             ``C = di``) or FP8 entries (uint8, ``C = di + 4``).
         block_table: ``[R, max_blocks]`` int32 / int64; entry n of request r is
@@ -295,6 +297,7 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
         fp8: None (raw keys) or the FP8 entry spec (``rope_dim is None``, ``value_dim = di``).
         topk: ``index_topk``.
         max_entries: ``N``, static bound on ``num_visible`` (the scores are ``[B, N]``).
+        weight_scale: the heads' common scale.
 
     Returns:
         ``[B, topk]`` int64 entry numbers, the picks in no particular order, then -1 in the spare
@@ -309,6 +312,6 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
 
     def scores_of(rows: slice) -> Tensor:
         return _scores(q[rows], weights[rows], nv[rows], view, view.stride(), max_entries, mode == "index",
-                       block_table, req[rows], entries_per_block)
+                       block_table, req[rows], entries_per_block, weight_scale)
 
     return _topk(scores_of, nv, B, max_entries, topk, q.device)

@@ -10,7 +10,9 @@ Sinkhorn projection and the stream collapse) in two launches:
    go to a ``[SPLIT, T, 24]`` fp32 scratch.
 2. ``_mhc_pre_kernel``, one program per token: sums the splits, applies the rms factor, computes
    pre / post and the n x n Sinkhorn in registers (row softmax, a column pass, then
-   ``sinkhorn_iters - 1`` row + column passes), writes post / comb and ``y = sum_i pre_i X[i]``.
+   ``sinkhorn_iters - 1`` row + column passes), writes post / comb and ``y = sum_i pre_i X[i]``,
+   the whole row in registers, so that the sub-layer's input RMSNorm (``norm_weight``) follows
+   there: one launch less per sub-layer, y rounded to X's dtype first as the separate op sees it.
 
 X is read twice (once per launch, as the coefficients of y need all of X first).
 :func:`mhc_post` matches :func:`mhc_ref.mhc_post`: one program per (token, block of D channels).
@@ -28,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from csrc_triton.kv_cache import _round_to_x, _store_values
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -61,12 +65,20 @@ def _mhc_mix_kernel(
     tl.store(sq_ptr + base, sq, mask=t_ok)
 
 
+@triton.jit
+def _as_stored(v, ptr):
+    """fp32 ``v`` as ``ptr``'s dtype holds it, in fp32 (bf16 rounded by hand: the interpreter's cast truncates)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return _round_to_x(v, True)
+    return v.to(ptr.dtype.element_ty).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["T", "num_splits"])
 def _mhc_pre_kernel(
-    x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
-    T, D, M, num_splits, inv_nd, rms_eps, hc_eps, sinkhorn_iters,
-    s_xt, s_xn, s_xd, s_yt, s_yd,
-    N: tl.constexpr, NP: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+    T, D, M, num_splits, inv_nd, rms_eps, hc_eps, sinkhorn_iters, norm_eps,
+    s_xt, s_xn, s_xd, s_yt, s_yd, s_w,
+    N: tl.constexpr, NP: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)  # [NP] stream index (pre, post, comb rows j)
@@ -107,13 +119,18 @@ def _mhc_pre_kernel(
         p = p / (tl.sum(p, 0)[None, :] + hc_eps)  # columns
     tl.store(comb_ptr + t * N * N + jk, p, mask=jk_ok)
 
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        d_ok = dd < D
-        xs = tl.load(x_ptr + t * s_xt + i[:, None] * s_xn + dd[None, :] * s_xd,
-                     mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [NP, BD]
-        y = tl.sum(pre[:, None] * xs, 0)  # [BD]
-        tl.store(y_ptr + t * s_yt + dd * s_yd, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+    # y = sum_i pre_i X[i], the whole row at once so that the sub-layer's input norm follows in registers
+    dd = tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    y = tl.zeros([BLOCK_D], tl.float32)
+    for s in tl.static_range(N):
+        xs = tl.load(x_ptr + t * s_xt + s * s_xn + dd * s_xd, mask=d_ok, other=0.0).to(tl.float32)
+        y += tl.sum(tl.where(i == s, pre, 0.0), 0) * xs
+    y = _as_stored(y, y_ptr)  # the collapse's own rounding, which the norm sees
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, 0) / D + norm_eps)  # lanes past D hold 0
+        y = y * tl.load(w_ptr + dd * s_w, mask=d_ok, other=0.0).to(tl.float32)
+    _store_values(y_ptr + t * s_yt + dd * s_yd, y, d_ok, y_ptr.dtype.element_ty == tl.bfloat16)
 
 
 @triton.jit
@@ -140,6 +157,7 @@ def _mhc_post_kernel(
 
 
 MIX_BLOCK_K = 32  # the projection's k step
+MIX_SPLIT_MIN = 4 * MIX_BLOCK_K  # the fewest values of the n*D axis one split of the projection takes
 
 
 def _sm_count(device: torch.device) -> int:
@@ -155,19 +173,21 @@ def _cuda_sm_count(device_index: int) -> int:
 
 
 def _mix_config(T: int, nd: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tiles of the projection and the split of the n*D axis (whole BLOCK_Ks, at least 16 each), so
-    that decode-sized T still spreads ``fn`` over ~2 programs per SM. Measured on H200 (triton 3.6,
-    bf16, n = 4, D = 4096): 64-token blocks x 32-wide k steps, 4 warps, is the fastest prefill tile
-    (2.4x over 64 x 64 / 8 warps); at T <= 64 every tile measured within 10%."""
+    """Tiles of the projection and the split of the n*D axis (whole BLOCK_Ks, at least MIX_SPLIT_MIN
+    values each), so that decode-sized T still spreads ``fn`` over ~2 programs per SM: at V4-Flash's
+    n*D = 16,384, 128 splits of 4 k steps (at 16 k steps each, 32 programs read ``fn`` at T <= 16:
+    9.5 us per call at batch 16 on the H200, 2026-12-05). Measured on H200
+    (triton 3.6, bf16, n = 4, D = 4096): 64-token blocks x 32-wide k steps, 4 warps, is the fastest
+    prefill tile (2.4x over 64 x 64 / 8 warps); at T <= 64 every tile measured within 10%."""
     block_t = 16 if T <= 512 else 64
     splits = max(1, min(triton.cdiv(2 * _sm_count(device), triton.cdiv(T, block_t)), _max_splits(nd)))
     return dict(BLOCK_T=block_t, BLOCK_K=MIX_BLOCK_K, splits=splits, num_warps=4)
 
 
 def _max_splits(nd: int) -> int:
-    """The most splits of the n*D axis (at least 16 k steps each): the pre kernel's sum over splits is
-    sized by it, not by the step's count, so that one compiled kernel serves every step size."""
-    return triton.cdiv(nd, 16 * MIX_BLOCK_K)
+    """The most splits of the n*D axis: the pre kernel's sum over splits is sized by it, not by the
+    step's count, so that one compiled kernel serves every step size."""
+    return triton.cdiv(nd, MIX_SPLIT_MIN)
 
 
 def mhc_pre(
@@ -178,6 +198,8 @@ def mhc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton :func:`mhc_ref.mhc_pre` (same arguments and results).
 
@@ -187,6 +209,7 @@ def mhc_pre(
         base: ``[(2+n)*n]`` fp32.
         scale: ``[3]`` fp32.
         rms_eps, hc_eps, sinkhorn_iters: as the reference (``sinkhorn_iters >= 1``).
+        norm_weight, norm_eps: the sub-layer's input RMSNorm (``[D]``), fused; or None.
 
     Returns:
         ``y [T, D]`` in ``x.dtype``, ``post [T, n]`` fp32, ``comb [T, n, n]`` fp32.
@@ -197,6 +220,7 @@ def mhc_pre(
     assert fn.shape == (M, n * D) and fn.dtype == torch.float32, (fn.shape, fn.dtype)
     assert base.shape == (M,) and scale.shape == (3,), (base.shape, scale.shape)
     assert sinkhorn_iters >= 1, sinkhorn_iters
+    assert norm_weight is None or norm_weight.shape == (D,), norm_weight.shape
     y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     post = torch.empty(T, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
@@ -214,12 +238,14 @@ def mhc_pre(
     )
     base = base.to(device=x.device, dtype=torch.float32).contiguous()
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
+    block_d = triton.next_power_of_2(D)
     _mhc_pre_kernel[(T,)](
-        x, part, sq, base, scale, y, post, comb,
-        T, D, M, splits, 1.0 / (n * D), float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        *x.stride(), *y.stride(),
+        x, part, sq, base, scale, norm_weight if norm_weight is not None else base, y, post, comb,
+        T, D, M, splits, 1.0 / (n * D), float(rms_eps), float(hc_eps), int(sinkhorn_iters), float(norm_eps),
+        *x.stride(), *y.stride(), norm_weight.stride(0) if norm_weight is not None else 0,
         N=n, NP=triton.next_power_of_2(n), SPLITS_P=triton.next_power_of_2(_max_splits(n * D)),
-        BLOCK_D=min(1024, triton.next_power_of_2(D)),
+        BLOCK_D=block_d, NORM=norm_weight is not None,
+        num_warps=8 if block_d >= 4096 else 4,  # the row in registers: 16 values a thread at D = 4096
     )
     return y, post, comb
 

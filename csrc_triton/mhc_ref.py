@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from csrc_triton.norm_ref import rms_norm
+
 
 def _mix_coefficients(x: Tensor, fn: Tensor, rms_eps: float) -> Tensor:
     """``mu = rsqrt(mean(v^2) + eps) * (fn v)`` with ``v = flatten(X)`` (§4 step 1).
@@ -32,6 +34,8 @@ def mhc_pre(
     rms_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """mHC_pre (§4 steps 1-6): collapse the streams and compute post/comb.
 
@@ -48,9 +52,11 @@ def mhc_pre(
         rms_eps: ``rms_norm_eps`` of the input norm (not ``hc_eps``).
         hc_eps: ``hc_eps``.
         sinkhorn_iters: ``hc_sinkhorn_iters`` (20).
+        norm_weight, norm_eps: the sub-layer's input RMSNorm (attn_norm / ffn_norm), applied to y as
+            the separate op would (to y rounded to ``x.dtype``); None: y as it is.
 
     Returns:
-        ``y [T, D]`` in ``x.dtype`` (goes through attn_norm / ffn_norm next),
+        ``y [T, D]`` in ``x.dtype``: the sub-layer's input (normed when ``norm_weight`` is given),
         ``post [T, n]`` fp32 and ``comb [T, n, n]`` fp32, ``comb[j, k]`` = weight of input stream
         j in output stream k (consumed by :func:`mhc_post`).
 
@@ -68,8 +74,10 @@ def mhc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)  # rows
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)  # columns
-    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1)  # [T, D]
-    return y.to(x.dtype), post, comb
+    y = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)  # [T, D]
+    if norm_weight is not None:
+        y = rms_norm(y, norm_weight, norm_eps)
+    return y, post, comb
 
 
 def mhc_post(o: Tensor, x: Tensor, post: Tensor, comb: Tensor) -> Tensor:

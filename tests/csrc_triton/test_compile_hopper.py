@@ -206,6 +206,9 @@ KERNEL_CASES = [
                  id="mhc-mix-prefill"),
     pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre, lambda: mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"),
                  id="mhc-pre"),
+    pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre,  # as the model calls it: the sub-layer's input norm fused
+                 lambda: (*mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"), torch.ones(4096), 1e-6),
+                 id="mhc-pre-norm"),
     pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,
                  lambda: mhc_post_args(1000, 4, 4096, torch.bfloat16, device="cpu"), id="mhc-post"),
     pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, device="cpu"), id="route-topk"),

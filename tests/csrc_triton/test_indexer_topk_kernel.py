@@ -171,6 +171,24 @@ def test_indexer_topk_paged_matches_ref(num_visible, req, R, N, H, di, topk, E, 
         assert_same_topk(alone, ref[b : b + 1], scores[b : b + 1], tol)
 
 
+@pytest.mark.parametrize("kind", ["raw_fp32", "fp8_bf16"])
+@pytest.mark.parametrize("case", ["ragged-odd", "prefill-chunks"])
+def test_indexer_topk_paged_scales_raw_head_weights(case, kind):
+    """The model hands the projection's bf16 head weights and their scale (index_head_dim^-0.5 *
+    index_n_heads^-0.5), scaled in fp32 inside the op: the same picks as weights scaled beforehand."""
+    use_fp8, dtype = PAGED_KINDS[kind]
+    values = next(c.values for c in PAGED_CASES if c.id == case)
+    q, weights, *rest = indexer_paged_args(*values, Fp8Entry(values[5], None) if use_fp8 else None, dtype)
+    raw, scale = (weights * 90).bfloat16(), 90**-1.0
+    scaled = raw.float() * scale
+    ref = indexer_topk_paged_ref(q, scaled, *rest).cpu()
+    assert torch.equal(indexer_topk_paged_ref(q, raw, *rest, weight_scale=scale).cpu(), ref)
+    view, bt, req_t, nv, E, fp8, topk, N = rest
+    scores = _paged_scores(q, scaled, view, bt, req_t, E, fp8, N)
+    tol = 1e-5 * max(1.0, scores.abs().max().item())
+    assert_same_topk(indexer_topk_paged(q, raw, *rest, weight_scale=scale).cpu(), ref, scores, tol)
+
+
 @GPU
 @pytest.mark.parametrize("kind", ["raw_bf16", "fp8_bf16"])
 def test_indexer_topk_paged_cuda_graph(kind):

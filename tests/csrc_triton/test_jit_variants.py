@@ -141,6 +141,8 @@ BY_TOKENS = [
                  lambda T: kc.cache_index_args(T, 128, device="cpu") + (128,), id="cache-index"),
     pytest.param(mhc._mhc_mix_kernel, mhc.mhc_pre, hyper_streams, id="mhc-mix"),
     pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre, hyper_streams, id="mhc-pre"),
+    pytest.param(mhc._mhc_pre_kernel, functools.partial(mhc.mhc_pre, norm_weight=torch.ones(4096), norm_eps=1e-6),
+                 hyper_streams, id="mhc-pre-norm"),
     pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,
                  lambda T: kc.mhc_post_args(T, 4, 512, torch.bfloat16, device="cpu"), id="mhc-post"),
     pytest.param(routing._route_kernel, routing.route, lambda T: kc.route_args(T, 256, 6, device="cpu"),

@@ -1,13 +1,15 @@
 """Triton mhc_pre / mhc_post against mhc_ref (kernel link of the test chain).
 
-Tolerances: kernel_cases.assert_close (fp32 1e-5; bf16 1e-2 + cosine > 0.9999) on y, post, comb
-and the mixed streams. CPU cases are tiny (interpreter); V4-Flash (n = 4, D = 4096) is `gpu`-marked,
-at decode (T = 1: the n*D axis split over many programs) and prefill (T = 1000: 64-token blocks) sizes.
+Tolerances: kernel_cases.assert_close (fp32 1e-5; bf16 1e-2 + cosine > 0.9999) on y (with and
+without the fused input norm), post, comb and the mixed streams. CPU cases are tiny (interpreter);
+V4-Flash (n = 4, D = 4096) is `gpu`-marked, at decode (T = 1: the n*D axis split over many
+programs) and prefill (T = 1000: 64-token blocks) sizes.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -36,8 +38,13 @@ SHAPES = [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T, n, D", SHAPES)
-def test_mhc_pre_matches_ref(T, n, D, dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["collapse", "collapse-norm"])
+def test_mhc_pre_matches_ref(T, n, D, dtype, norm):
+    """y alone, and with the sub-layer's input RMSNorm fused (as the model calls it)."""
     args = mhc_pre_args(T, n, D, dtype)
+    if norm:
+        weight = 0.5 + torch.rand(D, generator=torch.Generator().manual_seed(4))
+        args = (*args, weight.to(args[0].device), 1e-6)
     y, post, comb = mhc_pre(*args)
     y_ref, post_ref, comb_ref = mhc_ref.mhc_pre(*args)
     assert_close(y, y_ref, dtype, "y")

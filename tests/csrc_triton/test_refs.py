@@ -127,6 +127,9 @@ def test_mhc_naive(T):
     _close(post, post_n)
     _close(comb, comb_n)
     assert post.dtype == comb.dtype == torch.float32
+    w = torch.rand(D) + 0.5  # the sub-layer's input norm, fused
+    normed = y_n * w / (y_n.square().mean(-1, keepdim=True) + 1e-6).sqrt()
+    _close(mhc_pre(x, fn, base, scale, 1e-6, 1e-6, 20, w, 1e-6)[0], normed)
 
     o = torch.randn(T, D)
     ref = torch.zeros(T, n, D, dtype=torch.float64)

@@ -181,7 +181,8 @@ class _StubMlp(torch.nn.Module):
 
 
 def test_mhc_pre_post_decoder_layer(cfg):
-    """mhc_pre -> norm -> sub-layer -> mhc_post twice == DeepseekV4DecoderLayer (stub sub-layers)."""
+    """mhc_pre (the input norm fused, as the model calls it) -> sub-layer -> mhc_post twice ==
+    DeepseekV4DecoderLayer (stub sub-layers)."""
     layer = hf.DeepseekV4DecoderLayer(cfg, SWA_LAYER)
     layer.self_attn, layer.mlp = _StubAttn(64), _StubMlp()
     _randomise(layer, 3)
@@ -192,8 +193,8 @@ def test_mhc_pre_post_decoder_layer(cfg):
         for hc, norm, sub in ((layer.attn_hc, layer.input_layernorm, lambda h: layer.self_attn(h)[0]),
                               (layer.ffn_hc, layer.post_attention_layernorm, layer.mlp)):
             y, post, comb = mhc_pre(X, hc.fn, hc.base, hc.scale, cfg.rms_norm_eps, cfg.hc_eps,
-                                    cfg.hc_sinkhorn_iters)
-            X = mhc_post(sub(rms_norm(y, norm.weight, cfg.rms_norm_eps)), X, post, comb)
+                                    cfg.hc_sinkhorn_iters, norm.weight, cfg.rms_norm_eps)
+            X = mhc_post(sub(y), X, post, comb)
     _close(X, ref)
 
 

@@ -35,11 +35,11 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        y, post, comb = self.hc_attn.pre(streams)
-        out = all_reduce(self.attn(self.attn_norm(y), positions), self.shard)
+        x, post, comb = self.hc_attn.pre(streams, self.attn_norm)
+        out = all_reduce(self.attn(x, positions), self.shard)
         streams = self.hc_attn.post(out, streams, post, comb)
-        y, post, comb = self.hc_ffn.pre(streams)
-        out = all_reduce(self.ffn(self.ffn_norm(y), input_ids), self.shard)
+        x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm)
+        out = all_reduce(self.ffn(x, input_ids), self.shard)
         return self.hc_ffn.post(out, streams, post, comb)
 
 

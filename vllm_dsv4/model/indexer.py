@@ -38,8 +38,8 @@ class Indexer(nn.Module):
         md = self.key_cache.metadata()
         q = self.wq_b(q_latent).view(-1, self.num_heads, self.head_dim)  # [T, Hi, di]
         q = ops.apply_rope_tail(q, positions, self.inv_freq)
-        weights = self.weights_proj(x).float() * self.weight_scale  # [T, Hi]
+        weights = self.weights_proj(x)  # [T, Hi], scaled by weight_scale in fp32 inside the op
         num_visible, width = visible_entries(md, positions, 4, self.max_entries)
         comp = self.key_cache.component
         return ops.indexer_topk_paged(q, weights, self.key_cache.view, md.block_table, md.token_to_req, num_visible,
-                                      comp.entries_per_block, comp.fp8, self.topk, width)
+                                      comp.entries_per_block, comp.fp8, self.topk, width, self.weight_scale)

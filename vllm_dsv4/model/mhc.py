@@ -7,7 +7,7 @@ from torch import nn
 
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.model.layers import fp32_param
+from vllm_dsv4.model.layers import RMSNorm, fp32_param
 
 
 class HyperConnection(nn.Module):
@@ -19,9 +19,11 @@ class HyperConnection(nn.Module):
         self.fn, self.base, self.scale = fp32_param(mix, n * cfg.hidden_size), fp32_param(mix), fp32_param(3)
         self.rms_eps, self.hc_eps, self.iters = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
 
-    def pre(self, streams: torch.Tensor):
-        """streams [T, n, D] -> (sub-layer input [T, D], post [T, n], comb [T, n, n])."""
-        return ops.mhc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters)
+    def pre(self, streams: torch.Tensor, norm: RMSNorm):
+        """streams [T, n, D] -> (the sub-layer's input [T, D]: the collapse normed by ``norm``, one op;
+        post [T, n], comb [T, n, n])."""
+        return ops.mhc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters,
+                           norm.weight, norm.eps)
 
     @staticmethod
     def post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
