@@ -248,9 +248,11 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, bounds_ptr, pair_of_row
                         BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_BLOCK_E: tl.constexpr):
     """Each pair to a row of its expert's BLOCK_M-row blocks (a slot taken by atomic increment: the
     order within an expert varies, each row's result does not); the first programs also write
-    block_expert. Every program works out each expert's first and end block (a cumsum over the
-    counts) and stores them to ``bounds`` [2, BLOCK_E]: the same values from every program, so their
-    stores race harmlessly; a pair then reads its expert's, a block finds its expert by binary search."""
+    block_expert and -1 to their blocks' padding rows (the rows past their expert's pairs: other
+    rows than the pairs', so no order between programs is needed). Every program works out each
+    expert's first and end block (a cumsum over the counts) and stores them to ``bounds`` [2, BLOCK_E]:
+    the same values from every program, so their stores race harmlessly; a pair then reads its
+    expert's, a block finds its expert by binary search."""
     ex = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + ex, mask=ex < E, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [BE]
@@ -273,6 +275,12 @@ def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, bounds_ptr, pair_of_row
         ends_by_b = tl.load(bounds_ptr + BLOCK_E + expert + step - 1) <= b
         expert = tl.where(ends_by_b, expert + step, expert)
     tl.store(block_expert_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
+    e_ok = expert < E
+    first = tl.load(bounds_ptr + expert, mask=e_ok, other=0)  # [BLOCK] the expert's first block
+    held = tl.where(e_ok, tl.load(counts_ptr + expert, mask=e_ok, other=0) - (b - first) * BLOCK_M, 0)  # pairs in b
+    row = tl.arange(0, BLOCK_M)
+    tl.store(pair_of_row_ptr + b[:, None] * BLOCK_M + row[None, :], tl.full([BLOCK, BLOCK_M], -1, tl.int32),
+             mask=(b < num_blocks)[:, None] & (row[None, :] >= held[:, None]))
 
 
 def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -283,7 +291,7 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     block_e = triton.next_power_of_2(E + 1)
     scratch = torch.zeros(2, E + 1, dtype=torch.int32, device=dev)  # counts, cursors
     bounds = torch.empty(2, block_e, dtype=torch.int32, device=dev)  # experts' first and end blocks
-    pair_of_row = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
+    pair_of_row = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)  # every row written
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     flat = ids.reshape(-1)
     block = 128

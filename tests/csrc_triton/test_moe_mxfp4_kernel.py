@@ -128,12 +128,24 @@ def test_moe_mxfp4_other_tiles_match_ref(config):
 
 # (T, k, E, BLOCK_M): decode (one block per hit expert), several blocks per expert, more experts than pairs
 @pytest.mark.parametrize("T, k, E, block_m", [(1, 6, 256, 16), (16, 6, 8, 16), (300, 6, 16, 64), (3, 2, 64, 16)])
-def test_align_pairs_matches_ref(T, k, E, block_m):
+def test_align_pairs_matches_ref(T, k, E, block_m, monkeypatch):
     """The same blocks per expert (block_expert equal) holding the same pairs, padding and skipped ids
-    (E itself, negative, past E) dropped; the order of an expert's pairs in its rows is free."""
+    (E itself, negative, past E) dropped; the order of an expert's pairs in its rows is free. The
+    launcher's buffers start poisoned: the kernels write every row and block."""
+    from csrc_triton import moe_mxfp4
     from csrc_triton.moe_mxfp4 import align_pairs
     from csrc_triton.moe_mxfp4_ref import align_pairs as align_pairs_ref
     from tests.csrc_triton.kernel_cases import DEVICE
+
+    class PoisonedEmpty:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.empty(*args, **kwargs).fill_(12345)
+
+    monkeypatch.setattr(moe_mxfp4, "torch", PoisonedEmpty())
 
     g = torch.Generator().manual_seed(T * k + E)
     ids = torch.randint(0, E, (T, k), generator=g)
