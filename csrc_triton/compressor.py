@@ -1,12 +1,15 @@
 """KV compressor window pooling, Triton (dsv4_architecture.md §5.4; also the indexer's compressor, §5.5).
 
-Matches :func:`compressor_ref.compress_windows`: per entry and channel, a softmax over the window's
-valid slots of the score, weighting the value; invalid slots are never read (NaN / inf in an unfilled
-cache slot is harmless), a window with no valid slot yields 0. One program per (entry, block of
-channels) holds the ``[S, BLOCK_D]`` values and scores in registers (S = 8 for CSA, 128 for HCA).
+:func:`pool_state_windows` matches :func:`compressor_ref.pool_state_windows`: per entry and channel,
+a softmax over the window's valid slots of the score, weighting the value, the rows read where they
+sit in the state cache (through the block table: no gathered copy of the windows); invalid slots are
+never read (NaN / inf in an unfilled cache slot is harmless), a window with no valid slot yields 0.
+One program per (entry, block of channels) holds the ``[S, BLOCK_D]`` values and scores in registers
+(S = 8 for CSA, 128 for HCA).
 
 Bytes: reads ``N * S * 2 * d * 4`` of the fp32 rows (only the half of each CSA row that the entry uses)
-+ the mask, writes ``N * d * 4``.
++ the mask and the slots' entries, writes ``N * d * 4``. The gather it replaced wrote and read back
+``N * S * 2 * c * d * 4`` more (at an 8k-token prefill, 134 MB per C4 layer's main compressor).
 
 :func:`write_state_rows` matches :func:`compressor_ref.write_state_rows`: each token's state row
 ``[a | z + ape[p mod m]]`` built and stored through the block table in one launch (the reference
@@ -21,18 +24,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from csrc_triton.kv_cache import _entry_slots
+
 
 @triton.jit
 def _compress_windows_kernel(
-    rows_ptr, valid_ptr, out_ptr,
-    S, d, m,
-    s_rn, s_rs, s_rc, s_vn, s_vs, s_on, s_od,
+    view_ptr, bt_ptr, req_ptr, entry_ptr, valid_ptr, out_ptr,
+    S, d, m, E,
+    s_v0, s_v1, s_v2, s_r, s_en, s_es, s_bt0, s_bt1, s_vn, s_vs, s_on, s_od,
     OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     w = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)  # [BS] slot, oldest first
     e = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channel
     ok = tl.load(valid_ptr + w * s_vn + s * s_vs, mask=s < S, other=0) != 0  # [BS]
+    block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, w, s, ok, s_r, 0, s_en, s_es, s_bt0, s_bt1, s_v0,
+                            E)  # [BS] where slot s's row sits
     if OVERLAP:
         half = (s >= m).to(tl.int32)  # CSA: slots [0, m) use the A half, [m, 2m) the B half
         kv_col = half * d  # [BS]
@@ -41,9 +48,9 @@ def _compress_windows_kernel(
         kv_col = 0 * s
         score_col = d + 0 * s
     mask = ok[:, None] & (e < d)[None, :]  # [BS, BD]
-    base = rows_ptr + w * s_rn + s[:, None] * s_rs
-    kv = tl.load(base + (kv_col[:, None] + e[None, :]) * s_rc, mask=mask, other=0.0).to(tl.float32)
-    score = tl.load(base + (score_col[:, None] + e[None, :]) * s_rc, mask=mask, other=float("-inf"))
+    base = (block + o * s_v1)[:, None]  # [BS, 1]
+    kv = tl.load(base + (kv_col[:, None] + e[None, :]) * s_v2, mask=mask, other=0.0).to(tl.float32)
+    score = tl.load(base + (score_col[:, None] + e[None, :]) * s_v2, mask=mask, other=float("-inf"))
     score = score.to(tl.float32)  # [BS, BD]
     mx = tl.max(score, 0)  # [BD] -inf when the window has no valid slot
     mx = tl.where(mx == float("-inf"), 0.0, mx)
@@ -53,32 +60,34 @@ def _compress_windows_kernel(
     tl.store(out_ptr + w * s_on + e * s_od, out, mask=e < d)
 
 
-def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tensor:
-    """Triton :func:`compressor_ref.compress_windows` (same arguments and result).
+def pool_state_windows(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, valid: Tensor, overlap: bool,
+                       d: int, entries_per_block: int) -> Tensor:
+    """Triton :func:`compressor_ref.pool_state_windows` (same arguments and result).
 
     Args:
-        rows: ``[N, S, 2*c*d]`` state rows (fp32; bf16 accepted), any strides.
-        valid: ``[N, S]`` bool.
+        view: ``[num_blocks, E, 2*c*d]`` fp32 state cache, any strides.
+        block_table: ``[R, max_blocks]`` int32 / int64.
+        req: ``[N, 1]`` int (>= 0); entry, valid: ``[N, S]`` (int >= 0, bool).
         overlap: CSA layout (c = 2, S = 2m) or HCA (c = 1, S = m).
         d: output width.
+        entries_per_block: ``E``.
 
     Returns:
         ``[N, d]`` fp32.
     """
-    N, S, width = rows.shape
+    N, S = entry.shape
     c = 2 if overlap else 1
-    assert width == 2 * c * d, (rows.shape, overlap, d)
+    assert view.dim() == 3 and view.shape[-1] == 2 * c * d and view.dtype == torch.float32, (view.shape, view.dtype)
     assert not overlap or S % 2 == 0, S
-    assert valid.shape == (N, S) and valid.dtype == torch.bool, (valid.shape, valid.dtype)
-    assert rows.dtype in (torch.float32, torch.bfloat16), rows.dtype
-    out = torch.empty(N, d, dtype=torch.float32, device=rows.device)
+    assert req.shape == (N, 1) and valid.shape == (N, S) and valid.dtype == torch.bool, (req.shape, valid.shape)
+    out = torch.empty(N, d, dtype=torch.float32, device=view.device)
     if N == 0 or d == 0:
         return out
     block_s = triton.next_power_of_2(S)
     block_d = max(16, min(triton.next_power_of_2(d), 4096 // block_s))  # [S, BLOCK_D] tiles of 4K values
     _compress_windows_kernel[(N, triton.cdiv(d, block_d))](
-        rows, valid, out, S, d, S // 2 if overlap else S,
-        *rows.stride(), *valid.stride(), *out.stride(),
+        view, block_table, req, entry, valid, out, S, d, S // 2 if overlap else S, entries_per_block,
+        *view.stride(), req.stride(0), *entry.stride(), *block_table.stride(), *valid.stride(), *out.stride(),
         OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d,
     )
     return out

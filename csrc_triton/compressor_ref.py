@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from csrc_triton.kv_cache_ref import write_entries
+from csrc_triton.kv_cache_ref import read_entries, write_entries
 
 
 def state_rows(kv_proj: Tensor, gate_proj: Tensor, ape: Tensor, positions: Tensor) -> Tensor:
@@ -78,3 +78,23 @@ def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tens
     weight = torch.softmax(score, dim=1)  # [N, S, d] NaN where a whole window is invalid
     weight = torch.where(valid.any(dim=1)[:, None, None], weight, 0.0)  # [N, S, d]
     return (kv * weight).sum(dim=1)  # [N, d]
+
+
+def pool_state_windows(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, valid: Tensor, overlap: bool,
+                       d: int, entries_per_block: int) -> Tensor:
+    """:func:`compress_windows` of windows whose rows sit in a state cache: slot s of window w is entry
+    ``entry[w, s]`` of request ``req[w]`` (``view`` and the addressing as :func:`write_state_rows`').
+
+    Args:
+        view: ``[num_blocks, E, 2*c*d]`` fp32 state cache.
+        block_table: ``[R, max_blocks]`` int.
+        req: ``[N, 1]`` int request of each window (>= 0).
+        entry: ``[N, S]`` int state entries (>= 0; those of invalid slots are not read by the kernel).
+        valid, overlap, d: as :func:`compress_windows`.
+        entries_per_block: ``E``.
+
+    Returns:
+        ``[N, d]`` fp32.
+    """
+    return compress_windows(read_entries(view, block_table, req, entry, entries_per_block, None, torch.float32),
+                            valid, overlap, d)

@@ -45,7 +45,7 @@ if ATTN_BACKEND not in ("flashmla", "triton", "reference"):
     raise ValueError(f"VLLM_DSV4_ATTN={ATTN_BACKEND!r}: use 'flashmla' or 'triton'")
 
 if USE_KERNELS:
-    from csrc_triton.compressor import compress_windows, write_state_rows
+    from csrc_triton.compressor import pool_state_windows, write_state_rows
     from csrc_triton.indexer_topk import indexer_topk_paged
     from csrc_triton.kv_cache import read_entries
     from csrc_triton.kv_insert import norm_rope_insert
@@ -64,7 +64,7 @@ if USE_KERNELS:
 
         sparse_attn_prefill = sparse_attn_cached
 else:
-    from csrc_triton.compressor_ref import compress_windows, write_state_rows
+    from csrc_triton.compressor_ref import pool_state_windows, write_state_rows
     from csrc_triton.fp8_linear_ref import block_fp8_gemm, grouped_fp8_gemm
     from csrc_triton.indexer_ref import indexer_topk_paged
     from csrc_triton.kv_cache_ref import read_entries
@@ -82,7 +82,6 @@ else:
 __all__ = [
     "apply_rope_tail",
     "block_fp8_gemm",
-    "compress_windows",
     "grouped_fp8_gemm",
     "hc_head",
     "indexer_topk_paged",
@@ -92,6 +91,7 @@ __all__ = [
     "moe_experts_mxfp4",
     "norm_rope_insert",
     "norm_rope_tail",
+    "pool_state_windows",
     "read_entries",
     "rope_out_proj",
     "rope_quant_fp8",

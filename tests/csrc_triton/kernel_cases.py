@@ -227,6 +227,27 @@ def compress_args(N: int, m: int, d: int, overlap: bool, dtype=torch.float32, se
     return rows.to(dtype).to(device), valid.to(device), overlap, d
 
 
+def pool_windows_args(N: int, m: int, d: int, overlap: bool, E: int = 4, R: int = 3, entry_pad: int = 3,
+                      seed: int = 0, device=DEVICE) -> tuple:
+    """``(view, block_table, req [N, 1], entry [N, S], valid [N, S], overlap, d, E)`` of
+    ``compressor_ref.pool_state_windows``: :func:`compress_args`' rows (NaN / inf in the invalid slots)
+    stored at distinct entries of their window's request (window w: request w % R, its slots'
+    entries shuffled) in a padded fp32 pool (``kv_view``) through a shuffled block table."""
+    rows, valid, overlap, d = compress_args(N, m, d, overlap, seed=seed, device="cpu")
+    S = rows.shape[1]
+    g = _gen(seed + 1)
+    max_blocks = -(-(-(-N // R) * S) // E) + 1
+    bt, num_blocks = kv_block_table(g, R, max_blocks, "cpu")
+    view = kv_view(g, num_blocks, E, rows.shape[2], torch.float32, entry_pad, device)
+    req = torch.arange(N)[:, None] % R  # [N, 1]
+    entry = torch.empty(N, S, dtype=torch.int64)
+    for r in range(R):
+        mine = (req[:, 0] == r).nonzero().squeeze(1)
+        entry[mine] = torch.randperm(max_blocks * E, generator=g)[: len(mine) * S].view(-1, S)
+    view[bt[req, entry // E].long().to(device), (entry % E).to(device)] = rows.to(device)
+    return view, bt.to(device), req.to(device), entry.to(device), valid.to(device), overlap, d, E
+
+
 def compress_bytes(N: int, S: int, d: int, dtype: torch.dtype) -> int:
     e = torch.finfo(dtype).bits // 8
     return N * S * 2 * d * e + N * S + N * d * 4

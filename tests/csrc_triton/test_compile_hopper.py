@@ -31,9 +31,9 @@ from csrc_triton import (  # noqa: E402
     sparse_attn,
 )
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    INTERPRET, cache_index_args, compress_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
-    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, rms_norm_args,
-    rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
+    INTERPRET, cache_index_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
+    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, pool_windows_args,
+    rms_norm_args, rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
 )
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
@@ -166,10 +166,10 @@ KERNEL_CASES = [
                  lambda: rms_norm_args((64,), 4096, dtype=torch.bfloat16, device="cpu"), id="rms-norm-hidden"),
     pytest.param(norm._rms_norm_kernel, norm.rms_norm,
                  lambda: rms_norm_args((64,), 1024, dtype=torch.bfloat16, device="cpu"), id="rms-norm-q-latent"),
-    pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
-                 lambda: compress_args(300, 4, 512, True, device="cpu"), id="compress-csa"),
-    pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
-                 lambda: compress_args(64, 128, 512, False, device="cpu"), id="compress-hca"),
+    pytest.param(compressor._compress_windows_kernel, compressor.pool_state_windows,
+                 lambda: pool_windows_args(300, 4, 512, True, E=64, device="cpu"), id="compress-csa"),
+    pytest.param(compressor._compress_windows_kernel, compressor.pool_state_windows,
+                 lambda: pool_windows_args(64, 128, 512, False, E=64, device="cpu"), id="compress-hca"),
     pytest.param(compressor._write_state_kernel, compressor.write_state_rows,
                  lambda: state_write_args(64, 1024, 4, device="cpu"), id="state-write"),
     pytest.param(indexer_topk._indexer_scores_kernel, indexer_topk.indexer_topk,

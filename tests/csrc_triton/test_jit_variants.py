@@ -117,8 +117,8 @@ BY_TOKENS = [
                  lambda T: kc.rms_norm_args((T,), 1024, dtype=torch.bfloat16, device="cpu"), id="rms-norm"),
     pytest.param(norm._rms_norm_kernel, norm.rms_norm,
                  lambda T: kc.rms_norm_args((T,), 128, dtype=torch.bfloat16, device="cpu"), id="rms-norm-narrow"),
-    pytest.param(compressor._compress_windows_kernel, compressor.compress_windows,
-                 lambda T: kc.compress_args(T, 4, 64, True, device="cpu"), id="compress-csa"),
+    pytest.param(compressor._compress_windows_kernel, compressor.pool_state_windows,
+                 lambda T: kc.pool_windows_args(T, 4, 64, True, E=16, device="cpu"), id="compress-csa"),
     pytest.param(compressor._write_state_kernel, compressor.write_state_rows,
                  lambda T: kc.state_write_args(T, 128, 4, E=64, R=16, max_blocks=16, device="cpu"), id="state-write"),
     pytest.param(kv_insert._norm_rope_insert_kernel, kv_insert.norm_rope_insert,
@@ -127,10 +127,7 @@ BY_TOKENS = [
     pytest.param(kv_insert._norm_rope_insert_kernel, kv_insert.norm_rope_insert,
                  lambda T: kc.kv_insert_args(T, 128, 64, V4_INDEX, x_dtype=torch.bfloat16, R=16, max_blocks=16, E=64,
                                              device="cpu"), id="kv-insert-index"),
-    # the compressor's window rows ([N, 1] requests x [N, 8] entries) and a prefill's span rows ([T])
-    pytest.param(kv_cache._read_kernel, kv_cache.read_entries,
-                 lambda T: kc.kv_read_args((T, 1), (T, 8), 4, 16, 64, device="cpu"),
-                 id="kv-read-windows"),
+    # a prefill's span rows ([T])
     pytest.param(kv_cache._read_kernel, kv_cache.read_entries,
                  lambda T: kc.kv_read_args((T,), (T,), 4, 16, 64, V4_MAIN, out_dtype=torch.bfloat16, device="cpu"),
                  id="kv-read-spans"),

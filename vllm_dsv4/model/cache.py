@@ -19,14 +19,13 @@ class CacheLayer(nn.Module, AttentionLayerBase):
 
     Entry ``e`` of request ``r`` lives at ``view[block_table[r, e // E], e % E]`` with E entries per
     block. Per-token caches index entries by token position, compressed caches by entry number.
-    FP8 components encode on write and decode on read (to the model dtype).
+    FP8 components encode on write; attention decodes them where it reads them (``source``).
     """
 
     def __init__(self, component: Component, prefix: str, vllm_config):
         super().__init__()
         self.component = component
         self.prefix = prefix
-        self.value_dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
         context = vllm_config.compilation_config.static_forward_context
         if prefix in context:
@@ -73,8 +72,9 @@ class CacheLayer(nn.Module, AttentionLayerBase):
         ops.norm_rope_insert(x, norm.weight, norm.eps, rope_positions, inv_freq, self.view, md.block_table, req,
                              entry, comp.entries_per_block, comp.fp8)
 
-    def read(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
-        """Entries [..., C] at ``entry`` [...] of requests ``req`` (broadcast); ``entry`` must be >= 0."""
-        comp = self.component
-        dtype = self.view.dtype if comp.fp8 is None else self.value_dtype
-        return ops.read_entries(self.view, md.block_table, req, entry, comp.entries_per_block, comp.fp8, dtype)
+    def pool_windows(self, md: CacheStepMetadata, req: torch.Tensor, entry: torch.Tensor, valid: torch.Tensor,
+                     overlap: bool, d: int) -> torch.Tensor:
+        """The compressor's pooled windows [N, d] fp32 of this state cache's rows: slot s of window w
+        is entry ``entry[w, s]`` of request ``req[w]`` ([N, 1]); read in place, one fused op."""
+        return ops.pool_state_windows(self.view, md.block_table, req, entry, valid, overlap, d,
+                                      self.component.entries_per_block)

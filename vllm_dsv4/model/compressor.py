@@ -7,7 +7,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from vllm_dsv4 import ops
 from vllm_dsv4.model.cache import CacheLayer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 
@@ -44,8 +43,8 @@ class Compressor(nn.Module):
         closed = md_state.once(("closed windows", self.ratio),
                                lambda: self._closed_windows(req, positions, md_state.decode_only,
                                                             md_state.block_table.shape[0]))
-        rows = self.state_cache.read(md_state, closed.read_req, closed.read_entry)  # [N, S, 2*coff*d]
-        pooled = ops.compress_windows(rows, closed.valid, self.overlap, self.head_dim)  # [N, d]
+        pooled = self.state_cache.pool_windows(md_state, closed.read_req, closed.read_entry, closed.valid,
+                                               self.overlap, self.head_dim)  # [N, d]
         self.out_cache.insert(md_out, pooled, self.norm, closed.rope_positions, self.inv_freq, closed.out_req,
                               closed.entry)
 
@@ -91,7 +90,7 @@ def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -
 
 
 class ClosedWindows(NamedTuple):
-    """The compressed entries a step closes, N of them: where their window rows are read (request
+    """The compressed entries a step closes, N of them: where their window rows are pooled from (request
     [N, 1], state entries [N, S], which rows exist [N, S]) and where each pooled entry goes (rope
     position, request (-1: not stored), entry number; [N] each)."""
 
