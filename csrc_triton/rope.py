@@ -4,20 +4,19 @@ Matches :func:`rope_ref.apply_rope_tail`: the last ``r = 2 * len(inv_freq)`` cha
 interleaved pairs ``(x[2i], x[2i+1])`` by ``p * f_i`` (``-p`` with ``inverse``), the leading ``d - r``
 are copied. The angle is the same fp32 product as the reference's; cos / sin are computed in the
 kernel (libdevice, with full range reduction: positions reach 10^6). One program per (token, outer
-middle axis, block of heads) copies the nope channels and rotates the tail in fp32; bf16 results are
-rounded to nearest even by hand (the interpreter's cast truncates). Input and output take their own
-strides on two middle axes, so the result can land straight in another layout (``wo_a``'s
-group-major input, model/attention.py).
+middle axis, block of heads) loads its rows whole (one read, one write of each value: the loads of a
+step are all in flight at once), rotates the tail's pairs in fp32 (split from the rows in registers)
+and stores everything; bf16 results are rounded to nearest even by hand (the interpreter's cast
+truncates). Input and output take their own strides on two middle axes, so the result can land
+straight in another layout (``wo_a``'s group-major input, model/attention.py).
 
 :func:`norm_rope_tail` (the main query's per-head norm, then its RoPE) is the same kernel with
-``norm_ref.rms_norm(x, None, eps)`` fused in front: the program first sums each head row's squares,
-then norms every value it copies or rotates in fp32 and rounds it to ``x.dtype``, as the unfused ops
-do in between. The squares are summed in another order and rsqrt comes from another library, so a
+``norm_ref.rms_norm(x, None, eps)`` fused in front: the program norms each head row in registers
+and rounds it to ``x.dtype``, as the unfused ops do in between. The squares are summed in another order and rsqrt comes from another library, so a
 normed value may now and then round to the neighbouring bf16 value (tests/csrc_triton/test_rope_kernel.py
 states the bounds).
 
-Bytes: reads and writes ``T * M * d`` elements (M = product of the middle axes) + ``8 T`` positions.
-The fused norm reads each row a second time, from cache (a program's rows are 16 KiB for V4's query);
+Bytes: reads and writes ``T * M * d`` elements (M = product of the middle axes) + ``8 T`` positions;
 unfused, the norm would read and write the whole query once more.
 """
 
@@ -30,55 +29,39 @@ from torch import Tensor
 
 from csrc_triton.kv_cache import _round_to_x, _store_values
 
+# Values one program holds: 4 query heads of V4 (512 channels), 16 indexer heads (128); a decode step's
+# query is then spread over T * 16 programs (it was T * 4 of 16 heads, three dependent passes each).
+ROW_TILE = 2048
+
 
 @triton.jit
 def _rope_tail_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr,
-    M, d, nope, half_r, eps,
+    M, d, pair0, eps,
     s_xt, s_xa, s_xm, s_xd, s_ot, s_oa, s_om, s_od,
-    INVERSE: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr,
+    INVERSE: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     a = tl.program_id(1).to(tl.int64)  # outer middle axis (e.g. the head group of a group-major out)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] heads
-    m_ok = m < M
-    x_row = x_ptr + t * s_xt + a * s_xa + m[:, None] * s_xm  # [BM, 1]
-    o_row = out_ptr + t * s_ot + a * s_oa + m[:, None] * s_om
-    if NORM:  # rms_norm(x, None, eps): each row's mean square before anything is written
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c0 in range(0, d, BLOCK_NOPE):
-            c = c0 + tl.arange(0, BLOCK_NOPE)
-            mask = m_ok[:, None] & (c < d)[None, :]
-            v = tl.load(x_row + c[None, :] * s_xd, mask=mask, other=0.0).to(tl.float32)
-            sum_sq += tl.sum(v * v, axis=1)
-        rms = tl.rsqrt(sum_sq / d + eps)[:, None]  # [BM, 1]
-    for c0 in range(0, nope, BLOCK_NOPE):
-        c = c0 + tl.arange(0, BLOCK_NOPE)
-        mask = m_ok[:, None] & (c < nope)[None, :]
-        v = tl.load(x_row + c[None, :] * s_xd, mask=mask)
-        if NORM:
-            v = _round_to_x(v.to(tl.float32) * rms, X_BF16)
-        tl.store(o_row + c[None, :] * s_od, v.to(out_ptr.dtype.element_ty), mask=mask)
+    c = tl.arange(0, BLOCK_D)[None, :]  # [1, BD] channels
+    mask = (m < M)[:, None] & (c < d)
+    x = tl.load(x_ptr + t * s_xt + a * s_xa + m[:, None] * s_xm + c * s_xd, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # rms_norm(x, None, eps), rounded to x's dtype as the unfused op stores it
+        x = _round_to_x(x * tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)[:, None], X_BF16)
 
-    i = tl.arange(0, BLOCK_R)  # [BR] pair index
-    i_ok = i < half_r
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + i, mask=i_ok, other=0.0)  # [BR]
+    x0, x1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_D // 2, 2]))  # [BM, BD/2]: channels 2j, 2j + 1
+    j = tl.arange(0, BLOCK_D // 2)[None, :]  # [1, BD/2] pairs; the tail is pairs pair0 .. d/2 - 1
+    tail = (j >= pair0) & (2 * j < d)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + (j - pair0), mask=tail, other=0.0)
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     if INVERSE:
         sin = -sin
-    mask = m_ok[:, None] & i_ok[None, :]  # [BM, BR]
-    even = nope + 2 * i[None, :]  # [1, BR] channel of x[2i]
-    x0 = tl.load(x_row + even * s_xd, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + (even + 1) * s_xd, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x0 = _round_to_x(x0 * rms, X_BF16)
-        x1 = _round_to_x(x1 * rms, X_BF16)
-    y0 = x0 * cos[None, :] - x1 * sin[None, :]
-    y1 = x1 * cos[None, :] + x0 * sin[None, :]
-    _store_values(o_row + even * s_od, y0, mask, X_BF16)
-    _store_values(o_row + (even + 1) * s_od, y1, mask, X_BF16)
+    y0 = tl.where(tail, x0 * cos - x1 * sin, x0)
+    y1 = tl.where(tail, x1 * cos + x0 * sin, x1)
+    y = tl.reshape(tl.join(y0, y1), [BLOCK_M, BLOCK_D])  # nope channels exact in x's dtype: stored as loaded
+    _store_values(out_ptr + t * s_ot + a * s_oa + m[:, None] * s_om + c * s_od, y, mask, X_BF16)
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
@@ -130,7 +113,7 @@ def _rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, no
     ``norm_eps`` is given."""
     T, d = x.shape[0], x.shape[-1]
     half_r = inv_freq.numel()
-    assert 2 * half_r <= d and positions.shape == (T,), (x.shape, half_r, positions.shape)
+    assert d % 2 == 0 and 2 * half_r <= d and positions.shape == (T,), (x.shape, half_r, positions.shape)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     assert out.shape == x.shape and out.dtype == x.dtype, (out.shape, x.shape, out.dtype, x.dtype)
@@ -140,13 +123,13 @@ def _rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, no
     x4, out4 = _two_middle_axes(x), _two_middle_axes(out)  # [T, A, B, d]
     A, B = x4.shape[1:3]
     inv_freq = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
-    block_m = max(1, min(triton.next_power_of_2(B), 8192 // max(16, triton.next_power_of_2(d))))
+    block_d = max(16, triton.next_power_of_2(d))
+    block_m = max(1, ROW_TILE // block_d)  # not by the head count: one compiled kernel per row width
     _rope_tail_kernel[(T, A, triton.cdiv(B, block_m))](
         x4, positions.to(x.device), inv_freq, out4,
-        B, d, d - 2 * half_r, half_r, 0.0 if norm_eps is None else float(norm_eps),
+        B, d, d // 2 - half_r, 0.0 if norm_eps is None else float(norm_eps),
         *x4.stride(), *out4.stride(),
         INVERSE=bool(inverse), NORM=norm_eps is not None, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m,
-        BLOCK_NOPE=min(256, max(16, triton.next_power_of_2(d - 2 * half_r))),
-        BLOCK_R=max(16, triton.next_power_of_2(half_r)),
+        BLOCK_D=block_d,
     )
     return out
