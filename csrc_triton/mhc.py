@@ -79,6 +79,7 @@ def _mhc_pre_kernel(
     T, D, M, num_splits, inv_nd, rms_eps, hc_eps, sinkhorn_iters, norm_eps,
     s_xt, s_xn, s_xd, s_yt, s_yd, s_w,
     N: tl.constexpr, NP: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+    HEAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)  # [NP] stream index (pre, post, comb rows j)
@@ -91,35 +92,35 @@ def _mhc_pre_kernel(
     sp_ok = sp < num_splits
     row = part_ptr + (sp * T + t) * M  # [S] scratch rows of this token
     mu_pre = tl.sum(tl.load(row[:, None] + i[None, :], mask=sp_ok[:, None] & i_ok[None, :], other=0.0), 0)
-    mu_post = tl.sum(tl.load(row[:, None] + N + i[None, :], mask=sp_ok[:, None] & i_ok[None, :], other=0.0), 0)
-    mu_comb = tl.sum(tl.load(row[:, None, None] + 2 * N + jk[None, :, :],
-                             mask=sp_ok[:, None, None] & jk_ok[None, :, :], other=0.0), 0)  # [NP, NP]
     sq = tl.sum(tl.load(sq_ptr + sp * T + t, mask=sp_ok, other=0.0), 0)
     rho = 1.0 / tl.sqrt(sq * inv_nd + rms_eps)  # unweighted RMS factor of flatten(X)
 
-    a_pre = tl.load(scale_ptr)
-    a_post = tl.load(scale_ptr + 1)
-    a_comb = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(rho * mu_pre * a_pre + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps  # [NP]
-    pre = tl.where(i_ok, pre, 0.0)
-    post = 2.0 * tl.sigmoid(rho * mu_post * a_post + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
-    tl.store(post_ptr + t * N + i, post, mask=i_ok)
+    pre = tl.sigmoid(rho * mu_pre * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
+    pre = tl.where(i_ok, pre, 0.0)  # [NP]
+    if not HEAD:  # a sub-layer's mixer: also post and the Sinkhorn-projected comb (the hyper-head has neither)
+        mu_post = tl.sum(tl.load(row[:, None] + N + i[None, :], mask=sp_ok[:, None] & i_ok[None, :], other=0.0), 0)
+        mu_comb = tl.sum(tl.load(row[:, None, None] + 2 * N + jk[None, :, :],
+                                 mask=sp_ok[:, None, None] & jk_ok[None, :, :], other=0.0), 0)  # [NP, NP]
+        post = 2.0 * tl.sigmoid(rho * mu_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=i_ok,
+                                                                                other=0.0))
+        tl.store(post_ptr + t * N + i, post, mask=i_ok)
 
-    # Sinkhorn on the n x n logits [j, k]: padded entries stay exactly 0 throughout.
-    logits = rho * mu_comb * a_comb + tl.load(base_ptr + 2 * N + jk, mask=jk_ok, other=0.0)
-    logits = tl.where(jk_ok, logits, float("-inf"))
-    row_max = tl.max(logits, 1)  # [NP]
-    row_max = tl.where(i_ok, row_max, 0.0)
-    e = tl.exp(logits - row_max[:, None])  # 0 on padding
-    p = e / tl.where(i_ok, tl.sum(e, 1), 1.0)[:, None]
-    p = tl.where(jk_ok, p + hc_eps, 0.0)
-    p = p / (tl.sum(p, 0)[None, :] + hc_eps)  # columns
-    for _ in range(sinkhorn_iters - 1):
-        p = p / (tl.sum(p, 1)[:, None] + hc_eps)  # rows
+        # Sinkhorn on the n x n logits [j, k]: padded entries stay exactly 0 throughout.
+        logits = rho * mu_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + jk, mask=jk_ok, other=0.0)
+        logits = tl.where(jk_ok, logits, float("-inf"))
+        row_max = tl.max(logits, 1)  # [NP]
+        row_max = tl.where(i_ok, row_max, 0.0)
+        e = tl.exp(logits - row_max[:, None])  # 0 on padding
+        p = e / tl.where(i_ok, tl.sum(e, 1), 1.0)[:, None]
+        p = tl.where(jk_ok, p + hc_eps, 0.0)
         p = p / (tl.sum(p, 0)[None, :] + hc_eps)  # columns
-    tl.store(comb_ptr + t * N * N + jk, p, mask=jk_ok)
+        for _ in range(sinkhorn_iters - 1):
+            p = p / (tl.sum(p, 1)[:, None] + hc_eps)  # rows
+            p = p / (tl.sum(p, 0)[None, :] + hc_eps)  # columns
+        tl.store(comb_ptr + t * N * N + jk, p, mask=jk_ok)
 
-    # y = sum_i pre_i X[i], the whole row at once so that the sub-layer's input norm follows in registers
+    # y = sum_i pre_i X[i], the whole row at once so that a norm follows in registers (the sub-layer's input
+    # norm; the model's final one after the hyper-head)
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
     y = tl.zeros([BLOCK_D], tl.float32)
@@ -216,16 +217,37 @@ def mhc_pre(
     """
     T, n, D = x.shape
     M = (2 + n) * n
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
-    assert fn.shape == (M, n * D) and fn.dtype == torch.float32, (fn.shape, fn.dtype)
+    assert fn.shape == (M, n * D), fn.shape
     assert base.shape == (M,) and scale.shape == (3,), (base.shape, scale.shape)
     assert sinkhorn_iters >= 1, sinkhorn_iters
-    assert norm_weight is None or norm_weight.shape == (D,), norm_weight.shape
-    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     post = torch.empty(T, n, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=x.device)
+    y = _collapse(x, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters, norm_weight, norm_eps, post, comb)
+    return y, post, comb
+
+
+def hc_head(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, rms_eps: float, hc_eps: float,
+            norm_weight: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+    """Triton :func:`mhc_ref.hc_head` (same arguments and result): :func:`mhc_pre`'s kernels with
+    ``fn [n, n*D]``, ``base [n]``, ``scale [1]`` and neither post nor comb; ``norm_weight``: the
+    model's final norm, fused."""
+    T, n, D = x.shape
+    assert fn.shape == (n, n * D) and base.shape == (n,) and scale.shape == (1,), (fn.shape, base.shape, scale.shape)
+    return _collapse(x, fn, base, scale, rms_eps, hc_eps, 1, norm_weight, norm_eps, None, None)
+
+
+def _collapse(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+              norm_weight: Tensor | None, norm_eps: float, post: Tensor | None, comb: Tensor | None) -> Tensor:
+    """``y [T, D]`` from the projection and pre kernels (``fn``'s M rows); post and comb written
+    where given (a sub-layer's mixer), else the hyper-head's collapse alone."""
+    T, n, D = x.shape
+    M = fn.shape[0]
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
+    assert fn.dtype == torch.float32, fn.dtype
+    assert norm_weight is None or norm_weight.shape == (D,), norm_weight.shape
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
-        return y, post, comb
+        return y
     cfg = _mix_config(T, n * D, x.dtype, x.device)
     k_per_split = triton.cdiv(triton.cdiv(n * D, cfg.pop("splits")), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(n * D, k_per_split)
@@ -240,14 +262,15 @@ def mhc_pre(
     scale = scale.to(device=x.device, dtype=torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
     _mhc_pre_kernel[(T,)](
-        x, part, sq, base, scale, norm_weight if norm_weight is not None else base, y, post, comb,
+        x, part, sq, base, scale, norm_weight if norm_weight is not None else base, y,
+        y if post is None else post, y if comb is None else comb,  # the hyper-head writes neither
         T, D, M, splits, 1.0 / (n * D), float(rms_eps), float(hc_eps), int(sinkhorn_iters), float(norm_eps),
         *x.stride(), *y.stride(), norm_weight.stride(0) if norm_weight is not None else 0,
         N=n, NP=triton.next_power_of_2(n), SPLITS_P=triton.next_power_of_2(_max_splits(n * D)),
-        BLOCK_D=block_d, NORM=norm_weight is not None,
+        BLOCK_D=block_d, NORM=norm_weight is not None, HEAD=post is None,
         num_warps=8 if block_d >= 4096 else 4,  # the row in registers: 16 values a thread at D = 4096
     )
-    return y, post, comb
+    return y
 
 
 def mhc_post(o: Tensor, x: Tensor, post: Tensor, comb: Tensor) -> Tensor:

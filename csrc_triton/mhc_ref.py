@@ -107,6 +107,8 @@ def hc_head(
     scale: Tensor,
     rms_eps: float,
     hc_eps: float,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> Tensor:
     """Final stream collapse (§4 "hc_head"): ``h = sum_i (sigmoid(a mu_i + b_i) + hc_eps) X[i]``.
 
@@ -117,10 +119,13 @@ def hc_head(
         scale: ``[1]`` fp32.
         rms_eps: ``rms_norm_eps``.
         hc_eps: ``hc_eps``.
+        norm_weight, norm_eps: the model's final RMSNorm, applied to h (rounded to ``x.dtype`` first, as
+            the separate op would see it); None: h as it is.
 
     Returns:
-        ``[T, D]`` in ``x.dtype`` (the final RMSNorm follows).
+        ``[T, D]`` in ``x.dtype``: h, normed when ``norm_weight`` is given.
     """
     mu = _mix_coefficients(x, fn, rms_eps)  # [T, n]
     pre = torch.sigmoid(mu * scale.float() + base.float()) + hc_eps  # [T, n]
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)  # [T, D]
+    h = (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)  # [T, D]
+    return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)

@@ -19,7 +19,6 @@ import os
 import torch
 
 from csrc_triton import routing_ref
-from csrc_triton.mhc_ref import hc_head
 from csrc_triton.rope_ref import rope_inv_freq
 
 ON_CUDA = torch.cuda.is_available()
@@ -49,7 +48,7 @@ if USE_KERNELS:
     from csrc_triton.indexer_topk import indexer_topk_paged
     from csrc_triton.kv_cache import read_entries
     from csrc_triton.kv_insert import norm_rope_insert
-    from csrc_triton.mhc import mhc_post, mhc_pre
+    from csrc_triton.mhc import hc_head, mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
     from csrc_triton.norm import rms_norm
     from csrc_triton.out_proj import rope_out_proj, rope_quant_fp8
@@ -69,7 +68,7 @@ else:
     from csrc_triton.indexer_ref import indexer_topk_paged
     from csrc_triton.kv_cache_ref import read_entries
     from csrc_triton.kv_insert_ref import norm_rope_insert
-    from csrc_triton.mhc_ref import mhc_post, mhc_pre
+    from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
     from csrc_triton.norm_ref import rms_norm
     from csrc_triton.out_proj_ref import rope_out_proj, rope_quant_fp8

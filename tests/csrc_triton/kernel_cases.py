@@ -185,6 +185,15 @@ def mhc_pre_args(T: int, n: int, D: int, dtype=torch.float32, sinkhorn_iters: in
     return x, fn, base, scale, 1e-6, 1e-6, sinkhorn_iters
 
 
+def hc_head_args(T: int, n: int, D: int, dtype=torch.float32, norm: bool = False, seed: int = 0,
+                 device=DEVICE) -> tuple:
+    """``(x [T,n,D], fn [n, nD], base [n], scale [1], rms_eps, hc_eps)`` of ``mhc_ref.hc_head`` (:func:`mhc_pre_args`'
+    first n rows), with ``norm`` also the final norm's ``(weight [D], eps)``."""
+    x, fn, base, scale, rms_eps, hc_eps, _ = mhc_pre_args(T, n, D, dtype, seed=seed, device=device)
+    args = (x, fn[:n], base[:n], scale[:1], rms_eps, hc_eps)
+    return (*args, (0.5 + torch.rand(D, generator=_gen(seed + 1))).to(device), 1e-6) if norm else args
+
+
 def mhc_post_args(T: int, n: int, D: int, dtype=torch.float32, seed: int = 0, device=DEVICE) -> tuple:
     """``(o [T,D], x [T,n,D], post [T,n] fp32, comb [T,n,n] fp32)``."""
     g = _gen(seed)

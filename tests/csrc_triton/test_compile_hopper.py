@@ -31,7 +31,7 @@ from csrc_triton import (  # noqa: E402
     sparse_attn,
 )
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    INTERPRET, cache_index_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
+    INTERPRET, cache_index_args, hc_head_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
     kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, pool_windows_args,
     rms_norm_args, rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
 )
@@ -209,6 +209,8 @@ KERNEL_CASES = [
     pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre,  # as the model calls it: the sub-layer's input norm fused
                  lambda: (*mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu"), torch.ones(4096), 1e-6),
                  id="mhc-pre-norm"),
+    pytest.param(mhc._mhc_pre_kernel, mhc.hc_head,  # the hyper-head with the final norm fused
+                 lambda: hc_head_args(1, 4, 4096, torch.bfloat16, norm=True, device="cpu"), id="mhc-head"),
     pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,
                  lambda: mhc_post_args(1000, 4, 4096, torch.bfloat16, device="cpu"), id="mhc-post"),
     pytest.param(routing._route_kernel, routing.route, lambda: route_args(4096, 256, 6, device="cpu"), id="route-topk"),

@@ -101,6 +101,16 @@ def hyper_streams(T: int) -> tuple:
     return torch.empty(T, 4, 4096, dtype=torch.bfloat16), *_mhc_parameters()
 
 
+def hyper_head(T: int) -> tuple:
+    """hc_head's arguments at V4-Flash's n = 4, D = 4096, the final norm fused (as the model calls it)."""
+    return torch.empty(T, 4, 4096, dtype=torch.bfloat16), *_hc_head_parameters()
+
+
+@functools.cache
+def _hc_head_parameters() -> tuple:
+    return kc.hc_head_args(1, 4, 4096, torch.bfloat16, norm=True, device="cpu")[1:]
+
+
 @functools.cache
 def _mhc_parameters() -> tuple:
     return kc.mhc_pre_args(1, 4, 4096, torch.bfloat16, device="cpu")[1:]
@@ -140,6 +150,7 @@ BY_TOKENS = [
     pytest.param(mhc._mhc_pre_kernel, mhc.mhc_pre, hyper_streams, id="mhc-pre"),
     pytest.param(mhc._mhc_pre_kernel, functools.partial(mhc.mhc_pre, norm_weight=torch.ones(4096), norm_eps=1e-6),
                  hyper_streams, id="mhc-pre-norm"),
+    pytest.param(mhc._mhc_pre_kernel, mhc.hc_head, hyper_head, id="mhc-head"),
     pytest.param(mhc._mhc_post_kernel, mhc.mhc_post,
                  lambda T: kc.mhc_post_args(T, 4, 512, torch.bfloat16, device="cpu"), id="mhc-post"),
     pytest.param(routing._route_kernel, routing.route, lambda T: kc.route_args(T, 256, 6, device="cpu"),

@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("triton")
 
 from csrc_triton import mhc_ref  # noqa: E402
-from csrc_triton.mhc import mhc_post, mhc_pre  # noqa: E402
+from csrc_triton.mhc import hc_head, mhc_post, mhc_pre  # noqa: E402
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
-    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, mhc_post_args, mhc_pre_args,
+    DTYPE_IDS, DTYPES, SKIP_REASON, assert_close, hc_head_args, mhc_post_args, mhc_pre_args,
 )
 
 pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
@@ -50,6 +50,15 @@ def test_mhc_pre_matches_ref(T, n, D, dtype, norm):
     assert_close(y, y_ref, dtype, "y")
     assert_close(post, post_ref, dtype, "post")
     assert_close(comb, comb_ref, dtype, "comb")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, n, D", SHAPES)
+@pytest.mark.parametrize("norm", [False, True], ids=["collapse", "collapse-norm"])
+def test_hc_head_matches_ref(T, n, D, dtype, norm):
+    """The hyper-head (n rows of fn, no post / comb), alone and with the model's final norm fused."""
+    args = hc_head_args(T, n, D, dtype, norm)
+    assert_close(hc_head(*args), mhc_ref.hc_head(*args), dtype)
 
 
 @pytest.mark.parametrize("iters", [1, 2])

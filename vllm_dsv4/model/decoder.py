@@ -99,7 +99,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = block(streams, positions, input_ids)
         if len(self.mtp_inputs):
             self.mtp_inputs[: len(streams)].copy_(streams.flatten(1))
-        return self.norm(self.hc_head(streams))
+        return self.hc_head(streams, self.norm)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in fp32 from the (model-dtype) head, as the reference does (on CUDA without an fp32

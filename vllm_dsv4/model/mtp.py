@@ -71,7 +71,7 @@ class DeepseekV4MTP(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         """Streams [T, n*D] -> fp32 logits [T, V] through this module's hyper-head and norm and the shared head."""
         module = self.mtp[spec_step_idx % len(self.mtp)]
-        y = module.norm(module.hc_head(hidden_states.view(-1, self.hc_mult, self.hidden_size)))
+        y = module.hc_head(hidden_states.view(-1, self.hc_mult, self.hidden_size), module.norm)
         return fp32_linear(y, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
