@@ -4,17 +4,20 @@
 Sinkhorn projection and the stream collapse) in two launches:
 
 1. ``_mhc_mix_kernel``, one program per (block of ``BLOCK_T`` tokens, split of the n*D axis): the
-   sum of squares and the 24-wide projection ``X fn^T`` as a ``[BLOCK_T, 32]`` tensor-core dot
-   (fp32 operands; ``ieee`` for fp32 X, ``tf32x3`` for bf16 X, both ~fp32-exact). With few tokens
-   (decode) the n*D axis is split so that the 1.5 MB of ``fn`` is read by many SMs; the partial sums
-   go to a ``[SPLIT, T, 24]`` fp32 scratch.
+   sum of squares and the 24-wide projection ``X fn^T`` as ``[BLOCK_T, 32]`` tensor-core dots, ~fp32
+   exact: ``ieee`` for fp32 X; for bf16 / fp16 X (exact in tf32) two tf32 products, of fn's
+   tf32-rounded high part and of the rest (sm_90 SASS per k step, triton 3.6: 147 instructions at
+   decode, 221 for prefill tiles, against 259 / 371 with ``tf32x3``, which also splits X). With few
+   tokens (decode) the n*D axis is split so that the 1.5 MB of ``fn`` is read by many SMs; the partial
+   sums go to a ``[SPLIT, T, 24]`` fp32 scratch.
 2. ``_mhc_pre_kernel``, one program per token: sums the splits, applies the rms factor, computes
    pre / post and the n x n Sinkhorn in registers (row softmax, a column pass, then
    ``sinkhorn_iters - 1`` row + column passes), writes post / comb and ``y = sum_i pre_i X[i]``,
    the whole row in registers, so that the sub-layer's input RMSNorm (``norm_weight``) follows
    there: one launch less per sub-layer, y rounded to X's dtype first as the separate op sees it.
 
-X is read twice (once per launch, as the coefficients of y need all of X first).
+:func:`hc_head` is the same pair of kernels with the hyper-head's n rows of ``fn`` (no post, no
+Sinkhorn) and the model's final norm fused. X is read twice (once per launch, as the coefficients of y need all of X first).
 :func:`mhc_post` matches :func:`mhc_ref.mhc_post`: one program per (token, block of D channels).
 
 Bytes (V4-Flash, n = 4, D = 4096, bf16 X): pre reads ``2 * 4 * D * 2`` = 64 KB per token + ``fn``
@@ -39,7 +42,7 @@ def _mhc_mix_kernel(
     x_ptr, fn_ptr, part_ptr, sq_ptr,
     T, D, M, ND, k_per_split,
     s_xt, s_xn, s_xd, s_f0, s_f1,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, X_IN_TF32: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
@@ -59,7 +62,13 @@ def _mhc_mix_kernel(
         sq += tl.sum(xc * xc, 1)
         fn_t = tl.load(fn_ptr + r[None, :] * s_f0 + kk[:, None] * s_f1,
                        mask=r_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BM] = fn^T chunk
-        acc += tl.dot(xc, fn_t, input_precision=PRECISION)
+        if X_IN_TF32:  # bf16 / fp16 x is exact in tf32: fn as its tf32-rounded high part + the rest, two
+            # tf32 products (~21 bits of fn; tf32x3 would split x too, and multiply three times)
+            hi = ((fn_t.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            acc += tl.dot(xc, hi, input_precision="tf32")
+            acc += tl.dot(xc, fn_t - hi, input_precision="tf32")
+        else:
+            acc += tl.dot(xc, fn_t, input_precision="ieee")
     base = split * T + t  # [BT] row of the [SPLIT, T, *] scratch
     tl.store(part_ptr + base[:, None] * M + r[None, :], acc, mask=t_ok[:, None] & r_ok[None, :])
     tl.store(sq_ptr + base, sq, mask=t_ok)
@@ -255,7 +264,7 @@ def _collapse(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, rms_eps: float
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
     _mhc_mix_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), splits)](
         x, fn, part, sq, T, D, M, n * D, k_per_split, *x.stride(), *fn.stride(),
-        BLOCK_M=max(16, triton.next_power_of_2(M)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32x3",
+        BLOCK_M=max(16, triton.next_power_of_2(M)), X_IN_TF32=x.dtype != torch.float32,
         **cfg,
     )
     base = base.to(device=x.device, dtype=torch.float32).contiguous()
