@@ -3,7 +3,9 @@
 :func:`pool_state_windows` matches :func:`compressor_ref.pool_state_windows`: per entry and channel,
 a softmax over the window's valid slots of the score, weighting the value, the rows read where they
 sit in the state cache (through the block table: no gathered copy of the windows); invalid slots are
-never read (NaN / inf in an unfilled cache slot is harmless), a window with no valid slot yields 0.
+never read (NaN / inf in an unfilled cache slot is harmless), a window with no valid slot yields 0, a
+window of request -1 is not read (decode steps pool every token's window, fixed shapes, but store only
+the closing ones: 1 in 128 at C128, whose windows are 512 KB each).
 One program per (entry, block of channels) holds the ``[S, BLOCK_D]`` values and scores in registers
 (S = 8 for CSA, 128 for HCA).
 
@@ -38,6 +40,7 @@ def _compress_windows_kernel(
     s = tl.arange(0, BLOCK_S)  # [BS] slot, oldest first
     e = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channel
     ok = tl.load(valid_ptr + w * s_vn + s * s_vs, mask=s < S, other=0) != 0  # [BS]
+    ok = ok & (tl.zeros_like(s) + tl.load(req_ptr + w * s_r) >= 0)  # a window of request -1 reads nothing: 0
     block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, w, s, ok, s_r, 0, s_en, s_es, s_bt0, s_bt1, s_v0,
                             E)  # [BS] where slot s's row sits
     if OVERLAP:
@@ -67,7 +70,8 @@ def pool_state_windows(view: Tensor, block_table: Tensor, req: Tensor, entry: Te
     Args:
         view: ``[num_blocks, E, 2*c*d]`` fp32 state cache, any strides.
         block_table: ``[R, max_blocks]`` int32 / int64.
-        req: ``[N, 1]`` int (>= 0); entry, valid: ``[N, S]`` (int >= 0, bool).
+        req: ``[N, 1]`` int, -1 for a window nobody stores (not read, pooled to 0); entry, valid:
+            ``[N, S]`` (int >= 0, bool).
         overlap: CSA layout (c = 2, S = 2m) or HCA (c = 1, S = m).
         d: output width.
         entries_per_block: ``E``.

@@ -83,12 +83,13 @@ def compress_windows(rows: Tensor, valid: Tensor, overlap: bool, d: int) -> Tens
 def pool_state_windows(view: Tensor, block_table: Tensor, req: Tensor, entry: Tensor, valid: Tensor, overlap: bool,
                        d: int, entries_per_block: int) -> Tensor:
     """:func:`compress_windows` of windows whose rows sit in a state cache: slot s of window w is entry
-    ``entry[w, s]`` of request ``req[w]`` (``view`` and the addressing as :func:`write_state_rows`').
+    ``entry[w, s]`` of request ``req[w]`` (``view`` and the addressing as :func:`write_state_rows`'); a
+    window of request -1 (one nobody stores) reads nothing and pools to 0.
 
     Args:
         view: ``[num_blocks, E, 2*c*d]`` fp32 state cache.
         block_table: ``[R, max_blocks]`` int.
-        req: ``[N, 1]`` int request of each window (>= 0).
+        req: ``[N, 1]`` int request of each window, or -1.
         entry: ``[N, S]`` int state entries (>= 0; those of invalid slots are not read by the kernel).
         valid, overlap, d: as :func:`compress_windows`.
         entries_per_block: ``E``.
@@ -96,5 +97,5 @@ def pool_state_windows(view: Tensor, block_table: Tensor, req: Tensor, entry: Te
     Returns:
         ``[N, d]`` fp32.
     """
-    return compress_windows(read_entries(view, block_table, req, entry, entries_per_block, None, torch.float32),
-                            valid, overlap, d)
+    rows = read_entries(view, block_table, req.clamp(min=0), entry, entries_per_block, None, torch.float32)
+    return compress_windows(rows, valid & (req >= 0), overlap, d)

@@ -241,7 +241,8 @@ def pool_windows_args(N: int, m: int, d: int, overlap: bool, E: int = 4, R: int 
     """``(view, block_table, req [N, 1], entry [N, S], valid [N, S], overlap, d, E)`` of
     ``compressor_ref.pool_state_windows``: :func:`compress_args`' rows (NaN / inf in the invalid slots)
     stored at distinct entries of their window's request (window w: request w % R, its slots'
-    entries shuffled) in a padded fp32 pool (``kv_view``) through a shuffled block table."""
+    entries shuffled) in a padded fp32 pool (``kv_view``) through a shuffled block table; window 3
+    (N >= 4) then has request -1 (a window nobody stores)."""
     rows, valid, overlap, d = compress_args(N, m, d, overlap, seed=seed, device="cpu")
     S = rows.shape[1]
     g = _gen(seed + 1)
@@ -254,6 +255,8 @@ def pool_windows_args(N: int, m: int, d: int, overlap: bool, E: int = 4, R: int 
         mine = (req[:, 0] == r).nonzero().squeeze(1)
         entry[mine] = torch.randperm(max_blocks * E, generator=g)[: len(mine) * S].view(-1, S)
     view[bt[req, entry // E].long().to(device), (entry % E).to(device)] = rows.to(device)
+    if N >= 4:
+        req[3] = -1
     return view, bt.to(device), req.to(device), entry.to(device), valid.to(device), overlap, d, E
 
 

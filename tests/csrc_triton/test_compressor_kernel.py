@@ -2,7 +2,7 @@
 
 Tolerance: kernel_cases.assert_close (fp32 1e-5). The windows' rows sit at shuffled entries of a
 padded state pool; invalid slots hold NaN / inf (they must never be read); entry 1 of N >= 3 has no
-valid slot and must pool to exactly 0.
+valid slot and entry 3 of N >= 4 request -1: both must pool to exactly 0.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def test_pool_state_windows_matches_ref(N, m, d, overlap, E):
     out = pool_state_windows(*args)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert_close(out, pool_state_windows_ref(*args), torch.float32)
-    if N >= 3:
-        assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for w in (1, 3)[: (N >= 3) + (N >= 4)]:  # no valid slot; request -1
+        assert torch.equal(out[w], torch.zeros_like(out[w]))
 
 
 # (T, W, ratio): none, one token, a channel-block boundary (W = 1030), C4 main (c d = 2 x 512) and

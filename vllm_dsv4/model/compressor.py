@@ -43,8 +43,8 @@ class Compressor(nn.Module):
         closed = md_state.once(("closed windows", self.ratio),
                                lambda: self._closed_windows(req, positions, md_state.decode_only,
                                                             md_state.block_table.shape[0]))
-        pooled = self.state_cache.pool_windows(md_state, closed.read_req, closed.read_entry, closed.valid,
-                                               self.overlap, self.head_dim)  # [N, d]
+        pooled = self.state_cache.pool_windows(md_state, closed.out_req[:, None], closed.read_entry, closed.valid,
+                                               self.overlap, self.head_dim)  # [N, d]; 0 where not stored
         self.out_cache.insert(md_out, pooled, self.norm, closed.rope_positions, self.inv_freq, closed.out_req,
                               closed.entry)
 
@@ -53,11 +53,11 @@ class Compressor(nn.Module):
         """The windows this step's tokens close: a token at p with (p+1) % ratio == 0 closes entry
         p // ratio, roped at its window's first position. Fixed-size lists, no host read."""
         closing = (req >= 0) & ((positions + 1) % self.ratio == 0)
-        if decode_only:  # fixed shapes: every token pools its window, the closing ones are stored
-            pos, r, out_req = positions, req, torch.where(closing, req, -1)
+        if decode_only:  # fixed shapes: a row per token, the closing ones pooled and stored
+            pos, out_req = positions, torch.where(closing, req, -1)
         else:  # the closing tokens, packed in order into a list of the most that can close
             # (each request's tokens have consecutive positions: n of them close at most n // ratio + 1
-            # windows), padded with request -1 (pooled, not stored)
+            # windows), padded with request -1 (neither pooled nor stored)
             T = positions.shape[0]
             size = T // self.ratio + num_reqs
             torch._assert_async(closing.sum() <= size)
@@ -65,11 +65,10 @@ class Compressor(nn.Module):
             token = torch.full((size + 1,), T, dtype=torch.int64, device=req.device)  # T: the padding row
             token = token.scatter_(0, place, torch.arange(T, device=req.device))[:size]  # [N]
             pos = torch.cat([positions, positions.new_zeros(1)])[token]
-            r = out_req = torch.cat([req, req.new_full((1,), -1)])[token]
+            out_req = torch.cat([req, req.new_full((1,), -1)])[token]
         window = pos[:, None] + self.window_offsets  # [N, S]
-        return ClosedWindows(read_req=r.clamp(min=0)[:, None], read_entry=window.clamp(min=0), valid=window >= 0,
-                             rope_positions=pos - self.ratio + 1, out_req=out_req,
-                             entry=torch.div(pos, self.ratio, rounding_mode="floor"))
+        return ClosedWindows(read_entry=window.clamp(min=0), valid=window >= 0, rope_positions=pos - self.ratio + 1,
+                             out_req=out_req, entry=torch.div(pos, self.ratio, rounding_mode="floor"))
 
 
 def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -> tuple[torch.Tensor, int]:
@@ -90,11 +89,10 @@ def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -
 
 
 class ClosedWindows(NamedTuple):
-    """The compressed entries a step closes, N of them: where their window rows are pooled from (request
-    [N, 1], state entries [N, S], which rows exist [N, S]) and where each pooled entry goes (rope
-    position, request (-1: not stored), entry number; [N] each)."""
+    """The compressed entries a step closes, N of them: where their window rows are pooled from (state
+    entries [N, S], which rows exist [N, S]) and where each pooled entry goes (rope position, request
+    (-1: neither pooled nor stored), entry number; [N] each)."""
 
-    read_req: torch.Tensor
     read_entry: torch.Tensor
     valid: torch.Tensor
     rope_positions: torch.Tensor
