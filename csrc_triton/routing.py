@@ -3,7 +3,8 @@
 Matches :func:`routing_ref.route`: ``s = sqrt(softplus(logits))``, ids = the hash table's row (hash
 layers) or the top-k of ``s + bias`` found by k rounds of arg-max in registers (small k: 6 in V4;
 ties go to the lower expert id), weights ``s[ids]`` renormalised (+1e-20, as HF) and scaled. One
-program per block of ``BLOCK_T`` tokens holds their ``[BLOCK_T, E]`` logits (E = 256 in V4-Flash).
+program per block of ``BLOCK_T`` tokens holds their ``[BLOCK_T, E]`` logits (E = 256 in V4-Flash: two
+tokens on one warp).
 
 Bytes: reads ``T * E * 4`` of logits (``T * k`` of them on the hash path) + ``E * 4`` of bias,
 writes ``T * k * 12`` (fp32 weights + int64 ids).
@@ -115,13 +116,17 @@ def route(
         assert bias.shape == (E,), bias.shape
         bias = bias.to(device=router_logits.device, dtype=torch.float32).contiguous()
     block_e = triton.next_power_of_2(E)
-    block_t = max(1, min(16, 4096 // block_e))
+    # Two tokens per one-warp program (E = 256: 16 scores a thread): the k rounds of arg-max and gather
+    # reduce within a warp (shuffles, no barrier); 16 tokens on 4 warps took ~10 us at any T <= 64 on
+    # the H200 (2026-12-04e), the latency of 2k cross-warp reductions in a row.
+    block_t = 2 if block_e <= 256 else 1
     _route_kernel[(triton.cdiv(T, block_t),)](
         router_logits, bias if bias is not None else weights, hash_ids if hash_ids is not None else ids,
         weights, ids, T, E, top_k, float(routed_scaling_factor),
         *router_logits.stride(), *(hash_ids.stride() if hash_ids is not None else (0, 0)),
         HASH=hash_ids is not None, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=max(1, min(8, block_t * block_e // 512)),
     )
     return weights, ids
 
