@@ -1,8 +1,12 @@
-"""The step metadata's token -> request map (attention/backend.py), shared by every cache group's builder."""
+"""What every cache group's builder shares within a step (attention/backend.py): the token -> request
+map and the step's plans."""
+
+import copy
+from types import SimpleNamespace
 
 import torch
 
-from vllm_dsv4.attention.backend import TokenRequests
+from vllm_dsv4.attention.backend import CacheMetadataBuilder, TokenRequests
 
 
 def brute_force(query_lens: list[int], num_tokens: int) -> list[int]:
@@ -37,3 +41,34 @@ def test_an_unchanged_layout_is_not_rewritten_and_a_changed_one_is():
 def test_builders_of_one_device_share_one_buffer():
     a, b = TokenRequests.shared(32, "cpu"), TokenRequests.shared(32, torch.device("cpu"))
     assert a is b and TokenRequests.shared(64, "cpu") is not a
+
+
+def _builder():
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=64), speculative_config=None)
+    return CacheMetadataBuilder(None, [], config, "cpu")
+
+
+def _step(query_lens: list[int]):
+    """A step's CommonAttentionMetadata as vLLM's runner makes it (one per step, a new slice of its
+    query_start_loc buffer); each group's builder gets a shallow copy with the group's block table."""
+    starts = torch.tensor(layout(query_lens), dtype=torch.int32)
+    return SimpleNamespace(num_reqs=len(query_lens), num_actual_tokens=sum(query_lens), query_start_loc_cpu=starts[:],
+                           max_query_len=max(query_lens), seq_lens_cpu_upper_bound=None, max_seq_len=100,
+                           block_table_tensor=torch.zeros(len(query_lens), 4, dtype=torch.int32))
+
+
+def test_cache_groups_of_one_step_share_its_plans_and_a_new_step_or_a_draft_gets_its_own():
+    """One plan per step and layer kind, whatever the number of cache groups: the groups' builders
+    (vLLM splits the layers' caches into many groups) hand out one plans dict per step; the next step,
+    and a draft step (vLLM's proposer reuses its metadata object across draft steps), start empty."""
+    groups = [_builder() for _ in range(3)]
+    step = _step([1, 1, 1])
+    first = [b.build(0, copy.copy(step)) for b in groups]
+    first[0].once("plan", lambda: "made by group 0")
+    assert all(md.plans is first[0].plans for md in first)
+    assert first[2].once("plan", lambda: "made again") == "made by group 0"
+    draft = groups[1].build(0, copy.copy(step), fast_build=True)
+    assert draft.plans is not first[0].plans and not draft.plans
+    step = _step([1, 1, 1])
+    nxt = [b.build(0, copy.copy(step)) for b in groups]
+    assert nxt[0].plans is not first[0].plans and not nxt[0].plans and all(md.plans is nxt[0].plans for md in nxt)

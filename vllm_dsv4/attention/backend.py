@@ -39,8 +39,9 @@ class CacheStepMetadata:
     seq_len_bounds: list[int] | None  # [R] at least each request's tokens up to this step's last (host;
     # not in decode steps, which do not read it)
     # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
-    # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); a
-    # fresh dict per build, so a plan never outlives the step (or the graph capture) it was made in.
+    # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); one
+    # dict per step, shared by every cache group's metadata (StepPlans), so a plan never outlives the
+    # step (or the graph capture) it was made in.
     plans: dict = field(default_factory=dict, compare=False)
 
     def once(self, key, make: Callable[[], Any]) -> Any:
@@ -83,6 +84,32 @@ class TokenRequests:
         return self.buffer[:num_tokens]
 
 
+class StepPlans:
+    """The ``plans`` dict of one step, shared by the metadata of every cache group, so that a plan is
+    made once per step and layer kind rather than once per group: vLLM splits the layers' caches into
+    groups of a few layers (a window group per two layers at V4-Flash), and FlashMLA's scheduler plan
+    alone took 27 us per layer and step on the H200 (2026-12-05 decode profile, one per layer). vLLM
+    builds each group's metadata from a shallow copy of one ``CommonAttentionMetadata`` per step, so
+    the groups of a step hand in the same ``query_start_loc_cpu`` tensor, a new slice every step,
+    which marks the step (held here, so its id cannot be reused by another)."""
+
+    _by_device: dict[str, StepPlans] = {}
+
+    def __init__(self):
+        self.step = None  # the marker of the step whose plans are held
+        self.plans: dict = {}
+
+    @classmethod
+    def shared(cls, device) -> StepPlans:
+        return cls._by_device.setdefault(str(torch.device(device)), cls())
+
+    def of(self, step: torch.Tensor) -> dict:
+        """The plans of the step that ``step`` (its ``query_start_loc_cpu``) marks: new for a new step."""
+        if step is not self.step:
+            self.step, self.plans = step, {}
+        return self.plans
+
+
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
     # Full CUDA graphs of decode steps, also where each request verifies draft tokens (speculative
     # decoding: 1 + k query tokens each): the decode path has fixed shapes and no host syncs.
@@ -91,10 +118,13 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._token_requests = TokenRequests.shared(vllm_config.scheduler_config.max_num_batched_tokens, device)
+        self._step_plans = StepPlans.shared(device)
         spec = vllm_config.speculative_config
         self._decode_query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
+        """``fast_build``: a draft step (vLLM's ``build_for_drafting``), whose proposer reuses one
+        ``CommonAttentionMetadata`` for all its draft steps: its plans are its own."""
         cm = common_attn_metadata
         num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
         starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
@@ -107,6 +137,7 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
             max_seq_len=cm.max_seq_len,
             query_starts=starts,
             seq_len_bounds=None if bounds is None else bounds[:num_reqs].tolist(),
+            plans={} if fast_build else self._step_plans.of(cm.query_start_loc_cpu),
         )
 
 
