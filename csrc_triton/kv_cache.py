@@ -146,6 +146,14 @@ def _round_to_x(y, X_BF16: tl.constexpr):
 
 
 @triton.jit
+def _as_stored(v, ptr):
+    """fp32 ``v`` as ``ptr``'s dtype holds it, in fp32 (bf16 rounded by hand: the interpreter's cast truncates)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return _round_to_x(v, True)
+    return v.to(ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _store_e4m3(ptr, x, k, mask):
     """Store the uint8 e4m3 codes of fp32 ``x * 2^-k`` (``k`` int32, broadcast against ``x``)."""
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # 2^-k

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_cache import _round_to_x, _store_values
+from csrc_triton.kv_cache import _as_stored, _store_values
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -72,14 +72,6 @@ def _mhc_mix_kernel(
     base = split * T + t  # [BT] row of the [SPLIT, T, *] scratch
     tl.store(part_ptr + base[:, None] * M + r[None, :], acc, mask=t_ok[:, None] & r_ok[None, :])
     tl.store(sq_ptr + base, sq, mask=t_ok)
-
-
-@triton.jit
-def _as_stored(v, ptr):
-    """fp32 ``v`` as ``ptr``'s dtype holds it, in fp32 (bf16 rounded by hand: the interpreter's cast truncates)."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        return _round_to_x(v, True)
-    return v.to(ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["T", "num_splits"])

@@ -13,7 +13,7 @@ weights) without ever materialising a decoded weight: the codes are decoded in r
    gathered token rows, fused with :func:`routing_ref.swiglu_clamped`; h is stored in ``x.dtype``.
 3. ``_w2_kernel``: ``h W2_e^T`` times the routing weight, in fp32, written to the pair's row.
 4. ``_sum_k_kernel``: the k rows of each token summed in fp32 (skipped slots masked), cast to
-   ``x.dtype``: deterministic, no atomics.
+   ``x.dtype``: deterministic, no atomics; the shared expert's output added there when given.
 
 MXFP4 decode of a ``[BLOCK_N, BLOCK_K]`` tile, two codes per bit operation: weights are read as
 32-bit words of 8 codes (nibble j = code j), and a word shifted left by ``4 * (3 - i)`` has codes i
@@ -48,6 +48,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
+from csrc_triton.kv_cache import _as_stored, _store_values
 from csrc_triton.moe_mxfp4_ref import MXFP4_BLOCK
 from csrc_triton.routing import swiglu_clamped_values
 
@@ -193,14 +194,18 @@ def _w2_kernel(
 
 
 @triton.jit
-def _sum_k_kernel(y_ptr, ids_ptr, out_ptr, D, top_k, E, BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_k_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, D, top_k, E, s_st,
+                  SHARED: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     j = tl.arange(0, BLOCK_SLOTS)  # [BS] slots
     ids = tl.load(ids_ptr + t * top_k + j, mask=j < top_k, other=-1)
     ok = (ids >= 0) & (ids < E)  # skipped slots were never written
     y = tl.load(y_ptr + (t * top_k + j)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-    tl.store(out_ptr + t * D + d, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=d < D)
+    out = tl.sum(y, 0)  # [BD] fp32
+    if SHARED:  # the routed sum as stored, plus the shared expert's output: the unfused add's two roundings
+        out = _as_stored(out, out_ptr) + tl.load(shared_ptr + t * s_st + d, mask=d < D, other=0.0).to(tl.float32)
+    _store_values(out_ptr + t * D + d, out, d < D, out_ptr.dtype.element_ty == tl.bfloat16)
 
 
 # See sparse_attn.py: the interpreter needs fp32 dot operands (its bf16 matmul is wrong in triton 3.9);
@@ -312,10 +317,12 @@ def moe_experts_mxfp4(
     w2_scale: Tensor,
     swiglu_limit: float,
     narrow_scales: bool = False,
+    shared: Tensor | None = None,
     config: dict | None = None,
 ) -> Tensor:
-    """Triton :func:`moe_mxfp4_ref.moe_experts_mxfp4` (same arguments and result); ``config``
-    overrides ``_config``'s tiles (scripts/bench_kernels.py times others against them).
+    """Triton :func:`moe_mxfp4_ref.moe_experts_mxfp4` (same arguments and result; ``shared`` added in
+    the k-sum's launch); ``config`` overrides ``_config``'s tiles (scripts/bench_kernels.py times
+    others against them).
 
     Args:
         x: ``[T, D]`` fp32 / bf16 / fp16.
@@ -328,6 +335,7 @@ def moe_experts_mxfp4(
         swiglu_limit: L.
         narrow_scales: the caller's promise that no scale byte passes 128 (weights below 16, as in
             trained checkpoints: model/moe.py checks once at load); the decode then takes one product.
+        shared: ``[T, D]`` in ``x.dtype`` (the shared expert's output), added to the result, or None.
 
     Returns:
         ``[T, D]`` in ``x.dtype``; matmuls and the weighted sum accumulate in fp32.
@@ -344,9 +352,10 @@ def moe_experts_mxfp4(
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # words of 8 codes
     w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     assert all(w.is_contiguous() for w in (w13, w13_scale, w2, w2_scale))
+    assert shared is None or (shared.shape == (T, D) and shared.dtype == x.dtype and shared.stride(1) == 1), shared
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T * k == 0 or E == 0:
-        return out.zero_()
+        return out.zero_() if shared is None else out.copy_(shared)
     x = x.contiguous()
     ids = ids.contiguous()
     rw = weights.to(torch.float32).contiguous()  # [T, k]
@@ -375,6 +384,7 @@ def moe_experts_mxfp4(
         BLOCK_N=bn2, BLOCK_K=bk2, **common,
     )
     block_d = min(1024, triton.next_power_of_2(D))
-    _sum_k_kernel[(T, triton.cdiv(D, block_d))](y, ids, out, D, k, E, BLOCK_SLOTS=triton.next_power_of_2(k),
-                                               BLOCK_D=block_d)
+    _sum_k_kernel[(T, triton.cdiv(D, block_d))](y, ids, shared if shared is not None else out, out, D, k, E,
+                                               shared.stride(0) if shared is not None else 0, SHARED=shared is not None,
+                                               BLOCK_SLOTS=triton.next_power_of_2(k), BLOCK_D=block_d)
     return out

@@ -58,6 +58,7 @@ def moe_experts_mxfp4(
     w2_scale: Tensor,
     swiglu_limit: float,
     narrow_scales: bool = False,
+    shared: Tensor | None = None,
 ) -> Tensor:
     """:func:`routing_ref.moe_experts` with MXFP4 expert weights (§6 steps 4-5).
 
@@ -74,9 +75,10 @@ def moe_experts_mxfp4(
         w2_scale: ``[E_local, D, I/32]`` uint8 e8m0.
         swiglu_limit: L.
         narrow_scales: the kernel's hint that no scale byte passes 128; the reference decodes any.
+        shared: ``[T, D]`` in ``x.dtype``, the shared expert's output (the MoE's other term), or None.
 
     Returns:
-        ``[T, D]`` in ``x.dtype``, accumulated in fp32.
+        ``[T, D]`` in ``x.dtype``, accumulated in fp32; plus ``shared`` (one more rounding) when given.
     """
     E = w13.shape[0]
     ids = torch.where((ids >= 0) & (ids < E), ids.long(), E)  # [T, k] anything else is skipped too
@@ -89,7 +91,7 @@ def moe_experts_mxfp4(
         w13_f = decode_mxfp4(w13[group], w13_scale[group])  # [G, 2I, D]
         w2_f = decode_mxfp4(w2[group], w2_scale[group])  # [G, D, I]
         out += moe_experts(xf, weights, compact[ids], w13_f, w2_f, swiglu_limit)
-    return out.to(x.dtype)
+    return out.to(x.dtype) if shared is None else (out.to(x.dtype) + shared).to(x.dtype)
 
 
 def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:

@@ -234,6 +234,9 @@ KERNEL_CASES = [
     pytest.param(moe_mxfp4._place_pairs_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64),
                  id="moe-place-pairs"),
     pytest.param(moe_mxfp4._sum_k_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-sum-k"),
+    pytest.param(moe_mxfp4._sum_k_kernel,  # with the shared expert's output, as the model calls it
+                 lambda x, *args: moe_mxfp4.moe_experts_mxfp4(x, *args, shared=torch.empty_like(x)),
+                 lambda: v4_flash_experts(1), id="moe-sum-shared"),
     pytest.param(cache_index._global_slots_kernel, cache_index.global_slots,
                  lambda: cache_index_args(64, 640, device="cpu") + (128,), id="cache-index"),
 ]

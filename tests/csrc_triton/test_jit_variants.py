@@ -117,6 +117,11 @@ def _mhc_parameters() -> tuple:
 
 
 MOE = functools.partial(moe_mxfp4.moe_experts_mxfp4, narrow_scales=True)
+
+
+def moe_with_shared(x, *args):
+    """The MoE as the model calls it: the shared expert's output added in the k-sum's launch."""
+    return MOE(x, *args, shared=torch.empty_like(x))
 # (kernel, launcher, arguments for a step of T tokens); T = a decode batch's or a prefill's tokens
 BY_TOKENS = [
     pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,
@@ -173,6 +178,7 @@ BY_TOKENS = [
     *(pytest.param(kernel, MOE, experts, id=f"moe-{name}") for name, kernel in [
         ("w13", moe_mxfp4._w13_swiglu_kernel), ("w2", moe_mxfp4._w2_kernel), ("sum", moe_mxfp4._sum_k_kernel),
         ("counts", moe_mxfp4._expert_counts_kernel), ("place", moe_mxfp4._place_pairs_kernel)]),
+    pytest.param(moe_mxfp4._sum_k_kernel, moe_with_shared, experts, id="moe-sum-shared"),
 ]
 # (kernel, launcher, arguments for entry lists of width K): C128's visible entries and C4's scores
 BY_WIDTH = [

@@ -71,6 +71,19 @@ def test_moe_experts_mxfp4_v4_flash(T, D, I, E, k, p_hot):
     assert_close(moe_experts_mxfp4(*args, narrow_scales=True), moe_experts_mxfp4_ref(*args), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [0, 1, 9])
+def test_moe_experts_mxfp4_adds_the_shared_output(T, dtype):
+    """The shared expert's output added in the k-sum's launch: the unfused add of the routed output
+    (rounded to x's dtype) and it, bit for bit where the routed sums agree."""
+    args = moe_mxfp4_args(T, 64, 64, 4, 3, dtype, limit=3.0)
+    shared = torch.randn(T, 64, generator=torch.Generator().manual_seed(3)).to(dtype).to(args[0].device)
+    routed = moe_experts_mxfp4(*args)
+    out = moe_experts_mxfp4(*args, shared=shared)
+    assert torch.equal(out, (routed + shared).to(dtype))
+    assert_close(out, moe_experts_mxfp4_ref(*args, shared=shared), dtype)
+
+
 def test_moe_experts_mxfp4_all_skipped_is_zero():
     """No slot on this rank: zeros, whatever the weights."""
     x, weights, ids, *w, limit = moe_mxfp4_args(6, 64, 32, 4, 2, p_skip=1.0)

@@ -90,20 +90,24 @@ class Experts(nn.Module):
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
             getattr(self, name).data = torch.empty(0, dtype=torch.uint8, device=self.w13.device)
 
-    def forward(self, x, weights, ids):
-        """Partial output over this rank's experts: other ranks' picks become the skipped id E_local."""
+    def forward(self, x, weights, ids, shared: torch.Tensor | None = None):
+        """Partial output over this rank's experts: other ranks' picks become the skipped id E_local;
+        plus ``shared`` (the shared expert's output, in x's dtype) when given, in the packed experts'
+        own launch (a rounding of the routed sum, then the add, as the unfused add)."""
         if self.holds_all:
             local = ids
         else:
             local = ids - self.first_expert
             mine = (local >= 0) & (local < self.num_local)
             local = torch.where(mine, local, torch.full_like(local, self.num_local))
-        if self.marlin is not None:
-            return self.marlin(x, weights, local)
-        if self.packed:
+        if self.packed and self.marlin is None:
             return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
-                                         self.limit, self.narrow_scales)
-        return ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
+                                         self.limit, self.narrow_scales, shared)
+        if self.marlin is not None:
+            routed = self.marlin(x, weights, local)
+        else:
+            routed = ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
+        return routed if shared is None else (routed + shared).to(x.dtype)
 
 
 def _bytes(*shape: int) -> nn.Parameter:
@@ -127,8 +131,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
+        shared = self.shared_experts(x)
         if self.shard.dp_size > 1:
-            routed = across_dp(self.experts, self.shard, self.dp_group, x, weights, ids)
-        else:
-            routed = self.experts(x, weights, ids)
-        return (routed + self.shared_experts(x)).to(x.dtype)
+            return (across_dp(self.experts, self.shard, self.dp_group, x, weights, ids) + shared).to(x.dtype)
+        return self.experts(x, weights, ids, shared)
