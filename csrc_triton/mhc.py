@@ -17,7 +17,8 @@ Sinkhorn projection and the stream collapse) in two launches:
    there: one launch less per sub-layer, y rounded to X's dtype first as the separate op sees it.
 
 :func:`hc_head` is the same pair of kernels with the hyper-head's n rows of ``fn`` (no post, no
-Sinkhorn) and the model's final norm fused. X is read twice (once per launch, as the coefficients of y need all of X first).
+Sinkhorn) and the model's final norm fused. X is read twice (once per launch, as the coefficients of
+y need all of X first).
 :func:`mhc_post` matches :func:`mhc_ref.mhc_post`: one program per (token, block of D channels).
 
 Bytes (V4-Flash, n = 4, D = 4096, bf16 X): pre reads ``2 * 4 * D * 2`` = 64 KB per token + ``fn``

@@ -249,8 +249,8 @@ def _expert_counts_kernel(ids_ptr, counts_ptr, P, E, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
-def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, bounds_ptr, pair_of_row_ptr, block_expert_ptr, P, E, num_blocks,
-                        BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_BLOCK_E: tl.constexpr):
+def _place_pairs_kernel(ids_ptr, counts_ptr, cursor_ptr, bounds_ptr, pair_of_row_ptr, block_expert_ptr, P, E,
+                        num_blocks, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, LOG2_BLOCK_E: tl.constexpr):
     """Each pair to a row of its expert's BLOCK_M-row blocks (a slot taken by atomic increment: the
     order within an expert varies, each row's result does not); the first programs also write
     block_expert and -1 to their blocks' padding rows (the rows past their expert's pairs: other

@@ -12,9 +12,9 @@ straight in another layout (``wo_a``'s group-major input, model/attention.py).
 
 :func:`norm_rope_tail` (the main query's per-head norm, then its RoPE) is the same kernel with
 ``norm_ref.rms_norm(x, None, eps)`` fused in front: the program norms each head row in registers
-and rounds it to ``x.dtype``, as the unfused ops do in between. The squares are summed in another order and rsqrt comes from another library, so a
-normed value may now and then round to the neighbouring bf16 value (tests/csrc_triton/test_rope_kernel.py
-states the bounds).
+and rounds it to ``x.dtype``, as the unfused ops do in between. The squares are summed in another
+order and rsqrt comes from another library, so a normed value may now and then round to the
+neighbouring bf16 value (tests/csrc_triton/test_rope_kernel.py states the bounds).
 
 Bytes: reads and writes ``T * M * d`` elements (M = product of the middle axes) + ``8 T`` positions;
 unfused, the norm would read and write the whole query once more.

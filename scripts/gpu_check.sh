@@ -48,8 +48,8 @@ VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8
 # the fused mHC norm and hyper-head, whole-row RoPE, one-warp routing, paged window pooling, scaled indexer weights
 CHANGED_TESTS="tests/csrc_triton/test_moe_mxfp4_kernel.py tests/model/test_flashmla_attention.py tests/model/test_graph_replay.py
   tests/csrc_triton/test_norm_kernel.py tests/csrc_triton/test_mhc_kernel.py tests/csrc_triton/test_kv_insert_kernel.py
-  tests/csrc_triton/test_rope_kernel.py tests/csrc_triton/test_routing_kernel.py tests/csrc_triton/test_compressor_kernel.py
-  tests/csrc_triton/test_indexer_topk_kernel.py"
+  tests/csrc_triton/test_rope_kernel.py tests/csrc_triton/test_routing_kernel.py
+  tests/csrc_triton/test_compressor_kernel.py tests/csrc_triton/test_indexer_topk_kernel.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md

@@ -5,10 +5,11 @@ Each launcher runs on CPU tensors with its kernels' ``run`` captured; the captur
 compiled for sm_90 through PTX to a cubin (Triton ships ptxas), with the argument specialisation
 Triton's launcher applies (its own binding: an int equal to 1 becomes a constant, ints and pointers
 divisible by 16 get that hint, except where ``do_not_specialize`` says), so the code the GPU would
-build is built here. This catches what the interpreter accepts but the compiler does not (a kernel reading a plain Python global, an unsupported op), and
-checks the resources an H200 launch needs: shared memory within the 227 KiB a block may use, and the
-FP8 tensor-core instruction where a tile is meant to use it. The local Triton may be newer than the
-device's (3.6 with vLLM 0.26); the GPU runs are the final word.
+build is built here. This catches what the interpreter accepts but the compiler does not (a kernel
+reading a plain Python global, an unsupported op), and checks the resources an H200 launch needs:
+shared memory within the 227 KiB a block may use, and the FP8 tensor-core instruction where a tile is
+meant to use it. The local Triton may be newer than the device's (3.6 with vLLM 0.26); the GPU runs
+are the final word.
 """
 
 from __future__ import annotations

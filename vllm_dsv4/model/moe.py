@@ -100,11 +100,11 @@ class Experts(nn.Module):
             local = ids - self.first_expert
             mine = (local >= 0) & (local < self.num_local)
             local = torch.where(mine, local, torch.full_like(local, self.num_local))
-        if self.packed and self.marlin is None:
-            return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
-                                         self.limit, self.narrow_scales, shared)
         if self.marlin is not None:
             routed = self.marlin(x, weights, local)
+        elif self.packed:
+            return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
+                                         self.limit, self.narrow_scales, shared)
         else:
             routed = ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
         return routed if shared is None else (routed + shared).to(x.dtype)
