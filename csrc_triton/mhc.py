@@ -175,7 +175,7 @@ def _cuda_sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _mix_config(T: int, nd: int, dtype: torch.dtype, device: torch.device) -> dict:
+def _mix_config(T: int, nd: int, device: torch.device) -> dict:
     """Tiles of the projection and the split of the n*D axis (whole BLOCK_Ks, at least MIX_SPLIT_MIN
     values each), so that decode-sized T still spreads ``fn`` over ~2 programs per SM: at V4-Flash's
     n*D = 16,384, 128 splits of 4 k steps (at 16 k steps each, 32 programs read ``fn`` at T <= 16:
@@ -250,7 +250,7 @@ def _collapse(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, rms_eps: float
     y = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    cfg = _mix_config(T, n * D, x.dtype, x.device)
+    cfg = _mix_config(T, n * D, x.device)
     k_per_split = triton.cdiv(triton.cdiv(n * D, cfg.pop("splits")), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(n * D, k_per_split)
     part = torch.empty(splits, T, M, dtype=torch.float32, device=x.device)

@@ -3,7 +3,8 @@
 # order of value per minute (each stage fits a 10-minute slot; STAGE_LIMIT bounds one). Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   scripts/gpu_check.sh unit          # our kernels + modules against their references (~4 min)
-#   scripts/gpu_check.sh changed       # the GPU tests of what changed since the last device run (CHANGED_TESTS)
+#   scripts/gpu_check.sh changed       # the GPU tests of what changed since the last device run (CHANGED_TESTS),
+#                                      # in JOBS (6) pytest processes side by side
 #   scripts/gpu_check.sh compiles      # no compile of our Triton kernels while an engine serves (one engine run)
 #   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
 #                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
@@ -68,9 +69,16 @@ case "${1:-unit}" in
   unit)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
       -k "not ($VLLM_KERNEL_TESTS)" > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
-  changed)
-    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short $CHANGED_TESTS > "$LOG_DIR/changed.log" 2>&1
-    summary "$LOG_DIR/changed.log" ;;
+  changed)  # JOBS pytest processes side by side (Triton's compiles, which dominate, use one CPU each)
+    jobs=${JOBS:-6}; files=($CHANGED_TESTS); pids=()
+    for ((j = 0; j < jobs; j++)); do
+      part=(); for ((k = j; k < ${#files[@]}; k += jobs)); do part+=("${files[k]}"); done
+      [ ${#part[@]} -gt 0 ] || continue
+      timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short "${part[@]}" > "$LOG_DIR/changed.$j.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    cat "$LOG_DIR"/changed.*.log > "$LOG_DIR/changed.log"; summary "$LOG_DIR/changed.log" ;;
   compiles)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
       tests/e2e/test_gpu_path.py::test_no_kernel_compiles_while_serving > "$LOG_DIR/compiles.log" 2>&1
