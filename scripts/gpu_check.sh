@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh unit          # our kernels + modules against their references (~4 min)
 #   scripts/gpu_check.sh changed       # the GPU tests of what changed since the last device run (CHANGED_TESTS),
-#                                      # in JOBS (6) pytest processes side by side
+#                                      # a pytest process per file, side by side
 #   scripts/gpu_check.sh compiles      # no compile of our Triton kernels while an engine serves (one engine run)
 #   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
 #                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
@@ -44,13 +44,11 @@ export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
-# since 2026-12-05's device run: the MoE decode tile, dense experts under graphs, bounded prefill spans;
-# kernels compiled once for every step size (fixed row tiles, mHC's split sum), then no compile while serving;
-# the fused mHC norm and hyper-head, whole-row RoPE, one-warp routing, paged window pooling, scaled indexer weights
-CHANGED_TESTS="tests/csrc_triton/test_moe_mxfp4_kernel.py tests/model/test_flashmla_attention.py tests/model/test_graph_replay.py
-  tests/csrc_triton/test_norm_kernel.py tests/csrc_triton/test_mhc_kernel.py tests/csrc_triton/test_kv_insert_kernel.py
-  tests/csrc_triton/test_rope_kernel.py tests/csrc_triton/test_routing_kernel.py
-  tests/csrc_triton/test_compressor_kernel.py tests/csrc_triton/test_indexer_topk_kernel.py"
+# not yet passed on a GPU (2026-12-05d): one-warp routing (its tests ran after a device-side assert had broken their
+# process), paged window pooling and the MoE layer's graph replay (their process was cut by the stage's limit in the
+# replay), the span-bound refusal (now on CPU tensors)
+CHANGED_TESTS="tests/csrc_triton/test_routing_kernel.py tests/csrc_triton/test_compressor_kernel.py
+  tests/model/test_flashmla_attention.py tests/model/test_graph_replay.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md
@@ -69,16 +67,19 @@ case "${1:-unit}" in
   unit)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
       -k "not ($VLLM_KERNEL_TESTS)" > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
-  changed)  # JOBS pytest processes side by side (Triton's compiles, which dominate, use one CPU each)
-    jobs=${JOBS:-6}; files=($CHANGED_TESTS); pids=()
-    for ((j = 0; j < jobs; j++)); do
-      part=(); for ((k = j; k < ${#files[@]}; k += jobs)); do part+=("${files[k]}"); done
-      [ ${#part[@]} -gt 0 ] || continue
-      timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short "${part[@]}" > "$LOG_DIR/changed.$j.log" 2>&1 &
+  changed)  # one pytest process per file, side by side: Triton's compiles, which dominate, use one CPU each,
+    # and a device-side assert (which leaves its process's CUDA context unusable) fails one file only
+    pids=()
+    for f in $CHANGED_TESTS; do
+      timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short "$f" > "$LOG_DIR/changed.$(basename "$f" .py).log" 2>&1 &
       pids+=($!)
     done
     wait "${pids[@]}"
-    cat "$LOG_DIR"/changed.*.log > "$LOG_DIR/changed.log"; summary "$LOG_DIR/changed.log" ;;
+    for f in $CHANGED_TESTS; do
+      log="$LOG_DIR/changed.$(basename "$f" .py).log"
+      echo "$f: $(grep -E ' in [0-9.]+s( \(.*\))?$' "$log" | tail -1 || echo 'no summary (cut by STAGE_LIMIT?)')"
+    done | tee "$LOG_DIR/changed.log"
+    grep -hE "^FAILED|^ERROR" "$LOG_DIR"/changed.*.log | head -20 ;;
   compiles)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
       tests/e2e/test_gpu_path.py::test_no_kernel_compiles_while_serving > "$LOG_DIR/compiles.log" 2>&1

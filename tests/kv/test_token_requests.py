@@ -72,3 +72,20 @@ def test_cache_groups_of_one_step_share_its_plans_and_a_new_step_or_a_draft_gets
     step = _step([1, 1, 1])
     nxt = [b.build(0, copy.copy(step)) for b in groups]
     assert nxt[0].plans is not first[0].plans and not nxt[0].plans and all(md.plans is nxt[0].plans for md in nxt)
+
+
+def test_cache_groups_of_one_step_share_its_fields_and_a_new_step_has_its_own():
+    """The step's token map, query starts and bounds are worked out by its first group and handed to
+    the others as they are; the next step's (another layout) are its own, as are a draft step's."""
+    groups = [_builder() for _ in range(3)]
+    step = _step([1, 2, 1])
+    first = [b.build(0, copy.copy(step)) for b in groups]
+    assert all(md.query_starts is first[0].query_starts for md in first)
+    assert first[0].query_starts == [0, 1, 3, 4] and first[0].token_to_req.tolist() == [0, 1, 1, 2]
+    assert not first[0].decode_only
+    step = _step([1, 1])
+    nxt = [b.build(0, copy.copy(step)) for b in groups]
+    assert nxt[0].query_starts is not first[0].query_starts and nxt[2].query_starts == [0, 1, 2]
+    assert nxt[2].token_to_req.tolist() == [0, 1] and nxt[2].decode_only
+    draft = groups[1].build(0, copy.copy(_step([1, 1, 1])), fast_build=True)
+    assert draft.query_starts == [0, 1, 2, 3] and draft.token_to_req.tolist() == [0, 1, 2]

@@ -141,8 +141,11 @@ def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, spare_rows,
 
 
 def test_a_span_bound_below_the_spans_is_refused(cpu_ops):
-    """A caller's bound too low would index past the buffer: the device-side check refuses it."""
-    args = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40))
+    """A caller's bound too low would index past the buffer: the device-side check refuses it. On CPU
+    tensors, where the check raises at once: on a GPU it is a device-side assert, which leaves the
+    process's CUDA context unusable (every later test in it failed, H200 2026-12-05d)."""
+    args = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40),
+                                   device="cpu")
     req, window, window_entries = args[3], args[4], args[5]
     low = window._replace(span_rows_bound=span_rows(req, window_entries) - 1)
     with pytest.raises(RuntimeError):

@@ -85,29 +85,33 @@ class TokenRequests:
 
 
 class StepPlans:
-    """The ``plans`` dict of one step, shared by the metadata of every cache group, so that a plan is
-    made once per step and layer kind rather than once per group: vLLM splits the layers' caches into
-    groups of a few layers (a window group per two layers at V4-Flash), and FlashMLA's scheduler plan
-    alone took 27 us per layer and step on the H200 (2026-12-05 decode profile, one per layer). vLLM
-    builds each group's metadata from a shallow copy of one ``CommonAttentionMetadata`` per step, so
-    the groups of a step hand in the same ``query_start_loc_cpu`` tensor, a new slice every step,
-    which marks the step (held here, so its id cannot be reused by another)."""
+    """What the metadata of every cache group of one step shares, made by the step's first group: the
+    ``plans`` dict, so that a plan is made once per step and layer kind rather than once per group
+    (vLLM splits the layers' caches into groups of a few layers, a window group per two layers at
+    V4-Flash, and FlashMLA's scheduler plan alone took 27 us per layer and step on the H200: 2026-12-05
+    decode profile, one per layer), and the step's fields (token map, query starts, bounds: ~8 us of
+    host time per group, 17 groups per step at 6 layers). vLLM builds each group's metadata from a
+    shallow copy of one ``CommonAttentionMetadata`` per step, so the groups of a step hand in the same
+    ``query_start_loc_cpu`` tensor, a new slice every step, which marks the step (held here, so its id
+    cannot be reused by another)."""
 
     _by_device: dict[str, StepPlans] = {}
 
     def __init__(self):
         self.step = None  # the marker of the step whose plans are held
         self.plans: dict = {}
+        self.fields: dict = {}
 
     @classmethod
     def shared(cls, device) -> StepPlans:
         return cls._by_device.setdefault(str(torch.device(device)), cls())
 
-    def of(self, step: torch.Tensor) -> dict:
-        """The plans of the step that ``step`` (its ``query_start_loc_cpu``) marks: new for a new step."""
+    def of(self, step: torch.Tensor, make_fields: Callable[[], dict]) -> tuple[dict, dict]:
+        """``(plans, fields)`` of the step that ``step`` (its ``query_start_loc_cpu``) marks: for a new
+        step, an empty plans dict and ``make_fields()``."""
         if step is not self.step:
-            self.step, self.plans = step, {}
-        return self.plans
+            self.step, self.plans, self.fields = step, {}, make_fields()
+        return self.plans, self.fields
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
@@ -126,18 +130,23 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
         """``fast_build``: a draft step (vLLM's ``build_for_drafting``), whose proposer reuses one
         ``CommonAttentionMetadata`` for all its draft steps: its plans are its own."""
         cm = common_attn_metadata
-        num_reqs, num_tokens = cm.num_reqs, cm.num_actual_tokens
-        starts = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+        if fast_build:
+            plans, fields = {}, self._step_fields(cm)
+        else:
+            plans, fields = self._step_plans.of(cm.query_start_loc_cpu, lambda: self._step_fields(cm))
+        return CacheStepMetadata(block_table=cm.block_table_tensor[: cm.num_reqs], plans=plans, **fields)
+
+    def _step_fields(self, cm: CommonAttentionMetadata) -> dict:
+        """The fields of ``CacheStepMetadata`` that are the same for every cache group of a step."""
+        starts = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
         decode_only = cm.max_query_len <= self._decode_query_len
         bounds = None if decode_only else cm.seq_lens_cpu_upper_bound  # read by other steps only
-        return CacheStepMetadata(
-            block_table=cm.block_table_tensor[:num_reqs],
-            token_to_req=self._token_requests.of(starts, num_tokens),
+        return dict(
+            token_to_req=self._token_requests.of(starts, cm.num_actual_tokens),
             decode_only=decode_only,
             max_seq_len=cm.max_seq_len,
             query_starts=starts,
-            seq_len_bounds=None if bounds is None else bounds[:num_reqs].tolist(),
-            plans={} if fast_build else self._step_plans.of(cm.query_start_loc_cpu),
+            seq_len_bounds=None if bounds is None else bounds[: cm.num_reqs].tolist(),
         )
 
 
