@@ -9,8 +9,9 @@ steps of up to 1,024 tokens (``ops.OUT_PROJ``); large prefill tiles are far from
 
 One program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group. Per 128-wide K block it
 loads the attention output, splits it into its interleaved rope pairs in registers and de-rotates
-them with the per-token cos / sin the launcher computes as the reference does (loaded once per
-program; cos 1, sin 0 outside the tail, which leaves those values unchanged), rounds to o's dtype as
+them with the per-token cos / sin of the reference's angles (worked out once per program with the
+functions torch's CUDA ops call, so no launch of its own; cos 1, sin 0 outside the tail, which
+leaves those values unchanged), rounds to o's dtype as
 the unfused path stores it, quantises each token's 128 values to e4m3 with scale ``amax * fp32(1/448)`` (an
 IEEE division by it and no FMA contraction, so each e4m3 value is the reference's), and
 accumulates the FP8 tensor-core product scaled by the activation and weight block scales. A 128-block
@@ -23,7 +24,8 @@ the route vLLM's in-tree model takes: its wo_a cost 1.3 ms per 16 decode steps o
 H200 where this kernel cost 6.8 (2026-12-04 profiles, 6 layers).
 
 Bytes per call: ``G*R*K`` FP8 weight (the decode cost) + ``4 G*R*K / 128^2`` scales + ``2 T H d`` in
-+ ``2 T G R`` out + ``8 T r/2`` cos / sin.
++ ``2 T G R`` out (:func:`rope_quant_fp8` also ``8 T r/2`` of cos / sin tables from torch, whose CPU
+functions the interpreter's do not match bit for bit).
 """
 
 from __future__ import annotations
@@ -42,13 +44,31 @@ BLOCK_K = 128  # activation group = weight block
 
 
 @triton.jit
+def _tail_pairs(m_ok, d, nope, BLOCK_K: tl.constexpr):
+    """The pairs of a head's last K block, where the rope tail lies: ``(frequency index [BK/2], < 0
+    before the tail; [BM, BK/2] mask of the tail pairs of the tokens in range)``."""
+    pair = (d - BLOCK_K) // 2 + tl.arange(0, BLOCK_K // 2) - nope // 2
+    return pair, m_ok[:, None] & (pair >= 0)[None, :]
+
+
+@triton.jit
 def _tail_trig(cos_ptr, sin_ptr, m, m_ok, d, nope, half_r, BLOCK_K: tl.constexpr):
-    """cos / sin [BM, BK/2] of the pairs of a head's last K block, where the rope tail lies: loaded
-    once per program; pairs before the tail get cos 1, sin 0, which leave them unchanged, exactly."""
-    pair = (d - BLOCK_K) // 2 + tl.arange(0, BLOCK_K // 2) - nope // 2  # [BK/2] frequency index, < 0 before the tail
-    tail = m_ok[:, None] & (pair >= 0)[None, :]
+    """cos / sin [BM, BK/2] of the last K block's pairs from the launcher's [T, r/2] tables, loaded once
+    per program; pairs before the tail get cos 1, sin 0, which leave them unchanged, exactly."""
+    pair, tail = _tail_pairs(m_ok, d, nope, BLOCK_K)
     trig = m[:, None] * half_r + tl.maximum(pair, 0)[None, :]
     return tl.load(cos_ptr + trig, mask=tail, other=1.0), tl.load(sin_ptr + trig, mask=tail, other=0.0)
+
+
+@triton.jit
+def _tail_trig_of_positions(pos_ptr, freq_ptr, m, m_ok, d, nope, BLOCK_K: tl.constexpr):
+    """:func:`_tail_trig` worked out in the program: the reference's fp32 angle (position times
+    frequency, one rounding), then libdevice's cos / sin, the functions torch's CUDA ops call, with
+    their full range reduction (positions reach 10^6)."""
+    pair, tail = _tail_pairs(m_ok, d, nope, BLOCK_K)
+    position = tl.load(pos_ptr + m, mask=m_ok, other=0).to(tl.float32)
+    angle = position[:, None] * tl.load(freq_ptr + tl.maximum(pair, 0))[None, :]
+    return tl.where(tail, tl.cos(angle), 1.0), tl.where(tail, tl.sin(angle), 0.0)
 
 
 @triton.jit
@@ -78,8 +98,8 @@ def _derotated_fp8_block(o_ptr, m, m_ok, head, ch0, d, s_ot, s_oh, s_od, cos_tai
 
 @triton.jit(do_not_specialize=["T"])
 def _rope_out_proj_kernel(
-    o_ptr, cos_ptr, sin_ptr, w_ptr, ws_ptr, out_ptr,
-    T, heads_per_group, d, nope, half_r, R, k_split,
+    o_ptr, pos_ptr, freq_ptr, w_ptr, ws_ptr, out_ptr,
+    T, heads_per_group, d, nope, R, k_split,
     s_ot, s_oh, s_od, s_wn, s_wk, s_sn, s_sk, s_ys, s_yt, s_yn,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -89,7 +109,7 @@ def _rope_out_proj_kernel(
     g = tl.program_id(1) * BLOCK_N // R  # the group these rows belong to
     m_ok = m < T
     c = tl.arange(0, BLOCK_K)  # [BK] channel within the K block
-    cos_tail, sin_tail = _tail_trig(cos_ptr, sin_ptr, m, m_ok, d, nope, half_r, BLOCK_K)
+    cos_tail, sin_tail = _tail_trig_of_positions(pos_ptr, freq_ptr, m, m_ok, d, nope, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # split-K programs (axis 2) take k_split channels each and store fp32 partial sums (the launcher adds them)
     k_begin = tl.program_id(2) * k_split
@@ -192,8 +212,8 @@ def rope_out_proj(o: Tensor, positions: Tensor, inv_freq: Tensor, weight: Tensor
     k_split = triton.cdiv(K // BLOCK_K, split) * BLOCK_K
     partial = out[None] if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=o.device)
     _rope_out_proj_kernel[(triton.cdiv(T, tiles["BLOCK_M"]), N // tiles["BLOCK_N"], split)](
-        o, *_tail_cos_sin(positions, inv_freq, o.device), weight, weight_scale, partial,
-        T, H // groups, d, d - 2 * inv_freq.numel(), inv_freq.numel(), N // groups, k_split,
+        o, positions.to(o.device).contiguous(), inv_freq.to(device=o.device, dtype=torch.float32), weight,
+        weight_scale, partial, T, H // groups, d, d - 2 * inv_freq.numel(), N // groups, k_split,
         *o.stride(), *weight.stride(), *weight_scale.stride(), *partial.stride(),
         ROUND_BF16=o.dtype == torch.bfloat16, BLOCK_K=BLOCK_K, DOT_F32=_INTERPRETED, **tiles,
         enable_fp_fusion=False,  # the rotation rounds each product as the reference does (no FMA contraction)
