@@ -128,7 +128,7 @@ def _w13_swiglu_kernel(
     I, D, top_k, limit,
     s_xt, s_we, s_wn, s_se, s_sn, s_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, X_IN_K_ORDER: tl.constexpr,
 ):
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e < 0:
@@ -147,7 +147,9 @@ def _w13_swiglu_kernel(
     w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
     s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
     for _ in range(0, D, BLOCK_K):
-        xk = _to_k_order(tl.load(x_ptrs), BLOCK_M, BLOCK_K)  # [BM, BK]
+        xk = tl.load(x_ptrs)  # [BM, BK]
+        if not X_IN_K_ORDER:  # else the launcher permuted x's columns
+            xk = _to_k_order(xk, BLOCK_M, BLOCK_K)
         w1 = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
         w3 = _decode_tile(w_ptrs + I * s_wn, s_ptrs + I * s_sn, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
         gate = _dot(gate, xk, w1, INTERPRETED, PRECISION)
@@ -229,11 +231,14 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     T = 1 / 16 / 64 against 89 / 617 / 1,581 for 32 columns on 4 warps, the best of six decode tiles
     (docs/bench/README.md, 2026-12-05); vLLM's Marlin took 59 / 414 / 1,025. Larger batches: 64 x 64
     tiles reuse a decoded tile over 64 rows (13.1 ms at T = 8,192, the best of four batch tiles;
-    Marlin 11.0). fp32 (a test path) halves the K step."""
+    Marlin 11.0). fp32 (a test path) halves the K step. ``X_IN_K_ORDER``: W13 reads x with its columns
+    already in the kernel's K order (one permuted copy per call): for batch tiles x then reaches the
+    tensor cores as loaded, not gathered element by element (sm_90, triton 3.6: the K step 321 -> 280
+    instructions, 167 -> 140 registers; untimed); decode tiles compile worse that way (874 -> 1,047)."""
     if num_pairs <= 16 * num_experts:
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, X_IN_K_ORDER=True)
     if dtype == torch.float32:
         cfg["BLOCK_K"] //= 2
     return cfg
@@ -367,6 +372,7 @@ def moe_experts_mxfp4(
     rw = weights.to(torch.float32).contiguous()  # [T, k]
     cfg = dict(config or _config(T * k, E, x.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    x_in_k_order = cfg.pop("X_IN_K_ORDER", False)
     pair_of_row, block_expert = align_pairs(ids, E, bm)
     num_blocks = block_expert.numel()
     # The interpreter truncates fp32 -> bf16 (triton 3.9): a biased h would test nothing, so there it stays fp32.
@@ -376,11 +382,13 @@ def moe_experts_mxfp4(
     common = dict(BLOCK_M=bm, NARROW_SCALES=narrow_scales, INTERPRETED=_INTERPRETED,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
     bn1, bk1 = _tile(I, bn), _tile(D, bk)
+    # x's columns within each 8 as 0 4 1 5 2 6 3 7 (the kernel's K order), copied once for all row blocks
+    x13 = x.view(T, D // 8, 2, 4).transpose(2, 3).reshape(T, D) if x_in_k_order else x
     _w13_swiglu_kernel[(num_blocks, I // bn1)](
-        x, w13, w13_scale, h, pair_of_row, block_expert,
+        x13, w13, w13_scale, h, pair_of_row, block_expert,
         I, D, k, float(swiglu_limit),
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
-        BLOCK_N=bn1, BLOCK_K=bk1, **common,
+        x13.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0),
+        BLOCK_N=bn1, BLOCK_K=bk1, X_IN_K_ORDER=x_in_k_order, **common,
     )
     bn2, bk2 = _tile(D, bn), _tile(I, bk)
     _w2_kernel[(num_blocks, D // bn2)](

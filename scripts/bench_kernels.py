@@ -189,13 +189,13 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         # the 4-warp 32-column tile (the default to 2026-12-05), wider, 1-warp, deeper-K and deeper-pipeline
         # (the decode's K loop issues ~3.4 SASS instructions per weight: more loads in flight may hide more),
         # and shallower ones (W13's 4 stages take 38 KB of shared memory, 5 programs per SM: fewer stages or
-        # a 64-wide K step leave room for more); for batches 8 warps (W13's 4-warp batch tile needs 167
-        # registers with triton 3.6) and 128-row blocks
+        # a 64-wide K step leave room for more); for batches the default tile with x gathered into the K
+        # order in the kernel (the default permutes x once per call, X_IN_K_ORDER), 8 warps and 128-row blocks
         chosen = _config(ids.numel(), w13.shape[0], x.dtype)
         shapes = (((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 2, 4), (16, 64, 128, 1, 4),
                    (16, 64, 256, 2, 3), (16, 64, 128, 2, 6), (16, 64, 128, 2, 3), (16, 64, 64, 2, 4))
                   if chosen["BLOCK_M"] == 16 else
-                  ((64, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)))
+                  ((64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3)))
         sweep = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for m, n, kk, w, st in shapes]
         tiled = {f"m{c['BLOCK_M']}n{c['BLOCK_N']}k{c['BLOCK_K']}w{c['num_warps']}s{c['num_stages']}":
                  (lambda c=c: moe_experts_mxfp4(x, weights, ids, w13, w13_scale, w2, w2_scale, limit, narrow, config=c))
