@@ -122,6 +122,8 @@ MOE = functools.partial(moe_mxfp4.moe_experts_mxfp4, narrow_scales=True)
 def moe_with_shared(x, *args):
     """The MoE as the model calls it: the shared expert's output added in the k-sum's launch."""
     return MOE(x, *args, shared=torch.empty_like(x))
+
+
 # (kernel, launcher, arguments for a step of T tokens); T = a decode batch's or a prefill's tokens
 BY_TOKENS = [
     pytest.param(rope._rope_tail_kernel, rope.apply_rope_tail,

@@ -1,5 +1,5 @@
 """What every cache group's builder shares within a step (attention/backend.py): the token -> request
-map and the step's plans."""
+map, the step's plans and its other fields."""
 
 import copy
 from types import SimpleNamespace
