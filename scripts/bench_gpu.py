@@ -187,9 +187,9 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     """What dominates a step: the engine steps after every request of ``batch`` has its first token
     (decode), or all its steps (prefill, ``max_tokens=1``), profiled; written to ``path``: the steps'
     wall time, the CUDA kernels by their time and the host-side ops by their own CPU time (a host sync
-    shows as a long ``cudaStreamSynchronize`` / ``aten::_local_scalar_dense``). Prefill also records
-    Python frames (in that table, and in its trace, gzipped beside it: each copy or sync nested in the
-    frames that made it)."""
+    shows as a long ``cudaStreamSynchronize`` / ``aten::_local_scalar_dense``), with Python frames
+    recorded: the trace, gzipped beside it, nests each copy or sync in the frames that made it and
+    shows where a host-bound decode step spends its time (``scripts/trace_waits.py --frames``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,7 +200,7 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
         start_decoding(llm, batch, max_tokens, f"profile-{path.stem}")
     steps = 0
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                 with_stack=prefill) as prof:
+                 with_stack=True) as prof:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -215,12 +215,11 @@ def profile_steps(llm, batch, max_tokens: int, path: Path) -> Path:
     path.write_text(f"{len(batch)} requests, {steps} engine steps profiled, {wall * 1e3:.1f} ms wall clock "
                     f"(under the profiler), {device_events / max(steps, 1):.0f} GPU kernels / copies / memsets "
                     f"per step\n" + "\n".join(tables))
-    if prefill:
-        trace = path.with_suffix(".trace.json")
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
     print(f"profile -> {path} ({steps} steps)", flush=True)
     return path
 

@@ -23,7 +23,7 @@
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
-#                                      # then scripts/trace_waits.py on its prefill trace
+#                                      # then scripts/trace_waits.py on its prefill and decode traces
 #   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
@@ -131,7 +131,10 @@ case "${1:-unit}" in
       --mtp "${MTP:-0}" ${FIRST_START:+--first-start} \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
-    python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40 ;;
+    python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40
+    # where the host spends a batch-16 decode step (host-bound at 6 layers: 2026-12-05d)
+    python scripts/trace_waits.py "$LOG_DIR/bench.$engine.decode.trace.json.gz" --gaps 5 --frames 40 \
+      > "$LOG_DIR/bench_$engine.decode_host.txt"; head -60 "$LOG_DIR/bench_$engine.decode_host.txt" ;;
   bench-marlin | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting
     flash_checkpoint
     case $1 in

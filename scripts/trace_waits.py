@@ -1,9 +1,11 @@
 """Where a profiled step waits on the host. Reads a torch-profiler trace (``bench_gpu.py --profile``
 writes the prefill's, gzipped) and prints how long the GPU sat idle between its kernels and copies,
 the longest of those gaps with the frame of our code that launched the work ending each, and every
-synchronising host call counted and timed by the innermost frame of our code that made it.
+synchronising host call counted and timed by the innermost frame of our code that made it. With
+``--frames N``, also the N Python frames (anyone's code) that held the host longest, with their own
+time beside: where a host-bound step spends it (bench_gpu.py writes the decode steps' trace too).
 
-    python scripts/trace_waits.py bench.plugin.prefill.trace.json.gz [--match REGEX] [--gaps 10]
+    python scripts/trace_waits.py bench.plugin.prefill.trace.json.gz [--match REGEX] [--gaps 10] [--frames 25]
 """
 
 from __future__ import annotations
@@ -62,7 +64,34 @@ def gpu_idle(events: list[dict]) -> tuple[float, float, list[tuple[float, dict]]
     return busy, span, sorted(gaps, key=lambda g: -g[0])
 
 
-def report(events: list[dict], match: str = SYNCS, num_gaps: int = 10) -> str:
+def host_frames(events: list[dict]) -> list[tuple[str, int, float, float]]:
+    """``(frame, calls, total us, own us)`` per Python frame name, the most total time first; own time
+    leaves out the frames nested in it (on its thread), total time counts a recursive frame once."""
+    by_tid: dict[int, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function":
+            by_tid[e["tid"]].append(e)
+    calls: dict[str, int] = defaultdict(int)
+    total: dict[str, float] = defaultdict(float)
+    own: dict[str, float] = defaultdict(float)
+    for frames in by_tid.values():
+        frames.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        open_frames: list[tuple[float, str]] = []  # (end, name), innermost last
+        for e in frames:
+            start, dur, name = e["ts"], e.get("dur", 0), e["name"]
+            while open_frames and open_frames[-1][0] <= start:
+                open_frames.pop()
+            if open_frames:
+                own[open_frames[-1][1]] -= dur
+            calls[name] += 1
+            own[name] += dur
+            if all(name != outer for _, outer in open_frames):
+                total[name] += dur
+            open_frames.append((start + dur, name))
+    return sorted(((n, calls[n], total[n], own[n]) for n in calls), key=lambda r: -r[2])
+
+
+def report(events: list[dict], match: str = SYNCS, num_gaps: int = 10, num_frames: int = 0) -> str:
     frames = Frames(events)
     lines = []
     busy, span, gaps = gpu_idle(events)
@@ -83,6 +112,10 @@ def report(events: list[dict], match: str = SYNCS, num_gaps: int = 10) -> str:
     lines.append(f"host calls matching {match!r}: {sum(len(v) for v in calls.values())}")
     for (name, where), durs in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"  {len(durs):5d} x {name[:40]:40s} {sum(durs) / 1e3:9.3f} ms  {where}")
+    if num_frames:
+        lines.append("host frames, the most time first (total ms, own ms, calls):")
+        for name, count, total, own in host_frames(events)[:num_frames]:
+            lines.append(f"  {total / 1e3:9.3f} {own / 1e3:9.3f} {count:6d}  {name[:110]}")
     return "\n".join(lines)
 
 
@@ -91,8 +124,9 @@ def main() -> None:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--match", default=SYNCS, help="regex of the host calls to attribute")
     ap.add_argument("--gaps", type=int, default=10, help="how many of the longest GPU gaps to list")
+    ap.add_argument("--frames", type=int, default=0, help="how many of the longest-held Python frames to list")
     args = ap.parse_args()
-    print(report(load(args.trace), args.match, args.gaps))
+    print(report(load(args.trace), args.match, args.gaps, args.frames))
 
 
 if __name__ == "__main__":

@@ -30,3 +30,23 @@ def test_idle_gaps_and_syncs_are_attributed_to_the_innermost_frame_of_our_code()
     assert "1.800 ms before after_the_gap  <- vllm_dsv4/model/attention.py(90): forward" in text
     assert "1 x cudaStreamSynchronize" in text and "0.080 ms  vllm_dsv4/attention/flashmla.py(200): _spans" in text
     assert "0.020 ms  vllm_dsv4/model/attention.py(90): forward" in text
+
+
+def test_host_frames_total_counts_nesting_once_and_own_time_leaves_out_children():
+    events = [
+        frame("vllm/v1/engine/core.py(1): step", 0, 1000),
+        frame("vllm/v1/worker/gpu_model_runner.py(2): execute_model", 100, 600),
+        frame("vllm_dsv4/kv/spec.py(3): build", 150, 200),
+        frame("vllm_dsv4/kv/spec.py(3): build", 400, 100),
+        frame("vllm/v1/engine/core.py(1): step", 2000, 500, tid=2),  # another thread's step
+        frame("recurse", 3000, 100),
+        frame("recurse", 3010, 50),
+    ]
+    rows = {name: (calls, total, own) for name, calls, total, own in trace_waits.host_frames(events)}
+    assert rows["vllm/v1/engine/core.py(1): step"] == (2, 1500, 900)
+    assert rows["vllm/v1/worker/gpu_model_runner.py(2): execute_model"] == (1, 600, 300)
+    assert rows["vllm_dsv4/kv/spec.py(3): build"] == (2, 300, 300)
+    assert rows["recurse"] == (2, 100, 100)
+    assert [r[0] for r in trace_waits.host_frames(events)][0] == "vllm/v1/engine/core.py(1): step"
+    text = trace_waits.report(events, num_frames=2)
+    assert "     1.500     0.900      2  vllm/v1/engine/core.py(1): step" in text
