@@ -20,6 +20,7 @@
 #   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
 #                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
+#   scripts/gpu_check.sh graph-launch  # scripts/bench_graph_launch.py: a CUDA graph launch's host cost per node, by kind
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
@@ -118,6 +119,8 @@ case "${1:-unit}" in
     timeout "$LIMIT" python scripts/bench_connector.py --ckpt "$FLASH" --lens 8192 32768 --batch 1 \
       --engine '{"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}' > "$LOG_DIR/bench_connector.log" 2>&1
     tail -8 "$LOG_DIR/bench_connector.log" ;;
+  graph-launch)
+    timeout "$LIMIT" python scripts/bench_graph_launch.py > "$LOG_DIR/graph_launch.log" 2>&1; cat "$LOG_DIR/graph_launch.log" ;;
   bench-kernels)  # per-op table; wo_a and the experts against the other implementation the model can run
     timeout "$LIMIT" python scripts/bench_kernels.py > "$LOG_DIR/bench_kernels.log" 2>&1; tail -45 "$LOG_DIR/bench_kernels.log" ;;
   bench-plugin | bench-intree)
