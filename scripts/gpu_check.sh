@@ -56,7 +56,7 @@ if not any(e.value.startswith("vllm_dsv4") for e in md.entry_points(group="vllm.
     sys.exit(f"vllm_dsv4's entry point is not installed for {sys.executable}: "
              "run `python -m pip install --no-deps --no-build-isolation -e .` with this python")
 PY
-summary() { grep -E "passed|failed|compiles of our kernels|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
+summary() { grep -E "passed|failed|compiles of our kernels|warm-up steps|GPU vs|CUDA graphs vs|eager vs eager|unwritten memory|first different token|^FAILED|^E  .*(Error|assert)|tok/s|\|" "$1" | head -40; }
 
 flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
   [ -f "$FLASH/config.json" ] || python scripts/make_checkpoint.py --preset flash --out "$FLASH" --device cuda | tail -1

@@ -15,6 +15,7 @@ DeepGEMM warm-up uses for its own layers, which it finds by class and so never o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -89,17 +90,32 @@ def warm_up_kernels(runner) -> None:
     started = time.perf_counter()
     max_tokens = runner.scheduler_config.max_num_batched_tokens
     query_tokens = runner.uniform_decode_query_len  # a decode's: 1, or 1 + its draft tokens with MTP
+    took = []  # (step, seconds): where a cold start's compiles fall (a warm step takes milliseconds)
     for size in warm_up_sizes(max_tokens):
         if size <= runner.max_num_reqs and size * query_tokens <= max_tokens:  # size decodes
-            runner._dummy_run(size * query_tokens, force_attention=True, uniform_decode=True, skip_eplb=True,
-                              is_profile=True)
+            with _timed(took, f"decode {size}"):
+                runner._dummy_run(size * query_tokens, force_attention=True, uniform_decode=True, skip_eplb=True,
+                                  is_profile=True)
         if size >= 2 and runner.max_num_reqs >= 2:  # size tokens: decodes + one prefill
             _place_mixed_step(runner.positions, size, runner.max_num_reqs)
-            runner._dummy_run(size, force_attention=True, create_mixed_batch=True, skip_eplb=True, is_profile=True)
+            with _timed(took, f"mixed {size}"):
+                runner._dummy_run(size, force_attention=True, create_mixed_batch=True, skip_eplb=True,
+                                  is_profile=True)
     runner.positions.zero_()  # as vLLM left it
-    gemm_calls = warm_up_deep_gemm(runner.get_model(), max_tokens)
-    logger.info("vllm-dsv4: warm-up steps and %d DeepGEMM calls took %.1f s", gemm_calls,
-                time.perf_counter() - started)
+    with _timed(took, "DeepGEMM"):
+        gemm_calls = warm_up_deep_gemm(runner.get_model(), max_tokens)
+    logger.info("vllm-dsv4: warm-up steps and %d DeepGEMM calls took %.1f s (%s)", gemm_calls,
+                time.perf_counter() - started, ", ".join(f"{step} {seconds:.1f}" for step, seconds in took))
+
+
+@contextlib.contextmanager
+def _timed(took: list, step: str):
+    """Appends ``(step, seconds)`` to ``took`` once the block has run and its GPU work finished."""
+    started = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    took.append((step, time.perf_counter() - started))
 
 
 def _place_mixed_step(positions: torch.Tensor, tokens: int, max_reqs: int) -> None:
