@@ -15,6 +15,33 @@ def test_register_is_idempotent_and_overrides_the_in_tree_architecture():
     assert (entry.module_name, entry.class_name) == ("vllm_dsv4.model.decoder", "DeepseekV4ForCausalLM")
 
 
+def test_our_logs_go_through_vllms_logger():
+    """vLLM configures only its ``vllm`` logger (handlers, level): ours must sit under it, or Python's
+    last-resort handler takes our records and drops INFO (the warm-up's step timings never printed)."""
+    import logging
+
+    from vllm_dsv4.serving import warmup
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    vllm_logger, handler = logging.getLogger("vllm"), Collect()
+    level = vllm_logger.level
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        warmup.logger.info("warm-up took %.1f s", 1.5)
+    finally:
+        vllm_logger.removeHandler(handler)
+        vllm_logger.setLevel(level)
+    assert handler.messages == ["warm-up took 1.5 s"]
+
+
 def test_official_fp8_checkpoint_is_claimed_by_the_plugin_not_the_in_tree_layers():
     from vllm_dsv4.loader.quant_config import NAME, Dsv4CheckpointQuantConfig
 

@@ -78,7 +78,6 @@ Ledger -- one entry per difference or patch (symbol | 0.26 | 0.32 | adapter | de
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -87,9 +86,10 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from vllm_dsv4 import get_logger
 from vllm_dsv4.loader.checkpoint import FP8_BLOCK
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SUPPORTED = ("0.26", "0.32")
 DEFAULT_BLOCK_TOKENS = 256

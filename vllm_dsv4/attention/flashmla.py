@@ -30,7 +30,6 @@ the window's and C128's, the same in every layer of a kind, once per step and qu
 from __future__ import annotations
 
 import functools
-import logging
 from typing import NamedTuple
 
 import torch
@@ -39,9 +38,9 @@ from torch import Tensor
 from csrc_triton import sparse_attn
 from csrc_triton.cache_index import global_slots
 from csrc_triton.sparse_attn_ref import CacheSource
-from vllm_dsv4 import compat
+from vllm_dsv4 import compat, get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 HEAD_DIM = 512  # FlashMLA MODEL1: 448 FP8 nope + 64 bf16 rope values per key
 ROPE_DIM = 64

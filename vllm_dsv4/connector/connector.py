@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from vllm_dsv4 import compat
+from vllm_dsv4 import compat, get_logger
 from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.connector.plan import (
     Group,
@@ -52,7 +51,7 @@ from vllm_dsv4.connector.plan import (
 from vllm_dsv4.connector.store import EntryError, EntryStore
 from vllm_dsv4.kv.layout import component_of_layer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FORMAT = 1
 DEFAULT_WINDOW_EVERY = 8192  # tokens between the window entries of a prompt (module plan.py)

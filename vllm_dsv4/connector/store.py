@@ -11,17 +11,18 @@ share one directory. With ``max_bytes`` the least recently used files are remove
 from __future__ import annotations
 
 import json
-import logging
 import os
 import struct
 import zlib
 from pathlib import Path
 from typing import Iterable
 
+from vllm_dsv4 import get_logger
+
 MAGIC = b"DSV4KV\x00\x01"
 SUFFIX = ".kv"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class EntryError(RuntimeError):

@@ -14,7 +14,7 @@ imported until vLLM builds a tokenizer or a parser. ``cli.py`` is the ``vllm-dsv
 
 from __future__ import annotations
 
-import logging
+from vllm_dsv4 import get_logger
 
 NAME = "dsv4_plugin"
 REASONING_PARSER = "deepseek_v4"
@@ -38,7 +38,7 @@ def register() -> None:
         from vllm.tokenizers.registry import TokenizerRegistry
         from vllm.tool_parsers import ToolParserManager
     except ImportError as e:
-        logging.getLogger(__name__).warning("vllm-dsv4: serving names not registered (%s)", e)
+        get_logger(__name__).warning("vllm-dsv4: serving names not registered (%s)", e)
         return
     TokenizerRegistry.register(NAME, "vllm_dsv4.serving.tokenizer", "Dsv4Tokenizer")
     RENDERER_REGISTRY.register(NAME, "vllm.renderers.deepseek_v4", "DeepseekV4Renderer")

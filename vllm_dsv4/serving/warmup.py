@@ -16,16 +16,15 @@ DeepGEMM warm-up uses for its own layers, which it finds by class and so never o
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import torch
 
-from vllm_dsv4 import compat
+from vllm_dsv4 import compat, get_logger
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 WARM_UP_TOKENS = 1024  # a mixed step this size scores its queries with the indexer's prefill tile (512+)
 
