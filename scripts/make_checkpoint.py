@@ -2,9 +2,10 @@
 """Write a random DeepSeek-V4 checkpoint in the official format (config, shards, index, tokenizer).
 
 Presets (dsv4_architecture.md §13.1, §1.1):
-  tiny   the TINY test config (0.6 M params), compress_ratios [0, 4, 128, 4, 0]
-  ktiny  the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
-  flash  real V4-Flash dimensions, truncated to ``--num-layers`` (default 6) main layers
+  tiny      the TINY test config (0.6 M params), compress_ratios [0, 4, 128, 4, 0]
+  tiny-pro  TINY with V4-Pro's structure: compress_ratios [128, 128, 4, 128, 4, 0], 3 hash layers, 12 experts
+  ktiny     the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
+  flash     real V4-Flash dimensions, truncated to ``--num-layers`` (default 6) main layers
 
 The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
 (``quantization_config`` + ``expert_dtype: fp4``). The unquantized variant encodes the SAME function:
@@ -45,7 +46,7 @@ from vllm_dsv4.loader.dequant import (  # noqa: E402
 )
 
 MAX_SHARD_BYTES = 4 * 2**30
-PRESETS = ("tiny", "ktiny", "flash")
+PRESETS = ("tiny", "tiny-pro", "ktiny", "flash")
 
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
@@ -106,6 +107,23 @@ _TINY: dict[str, Any] = {
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
+}
+
+# V4-Pro's structure at tiny size (dsv4_architecture.md §1.1): no SWA-only layer (C128, C128, then C4 /
+# C128), three hash layers reaching into both compressed kinds, 2.5 routed scaling, more output groups,
+# and dims that are not powers of two (a hidden size of 3 x 32, 12 experts), as Pro's 7168 and 384 are not.
+_TINY_PRO_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 96,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "q_lora_rank": 48,
+    "o_groups": 4,
+    "compress_ratios": [128, 128, 4, 128, 4, 0],
+    "index_topk": 16,
+    "n_routed_experts": 12,
+    "moe_intermediate_size": 64,
+    "num_hash_layers": 3,
+    "routed_scaling_factor": 2.5,
 }
 
 _KTINY_OVERRIDES: dict[str, Any] = {
@@ -210,6 +228,8 @@ def make_config(preset: str, *, quantized: bool = True, num_layers: int | None =
     """The config.json dict (official key style) of a preset."""
     if preset == "tiny":
         raw = json.loads(json.dumps(_TINY))
+    elif preset == "tiny-pro":
+        raw = {**json.loads(json.dumps(_TINY)), **json.loads(json.dumps(_TINY_PRO_OVERRIDES))}
     elif preset == "ktiny":
         raw = {**json.loads(json.dumps(_TINY)), **json.loads(json.dumps(_KTINY_OVERRIDES))}
     elif preset == "flash":

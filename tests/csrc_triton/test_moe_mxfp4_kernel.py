@@ -43,12 +43,15 @@ SHAPES = [
     (40, 64, 64, 8, 2, 0.6),  # expert 0: ~50 rows in 16-row blocks
     (70, 96, 160, 2, 3, 0.0),  # ~100 rows per expert: 64-row blocks, 32-wide tiles for D = 96
 ]
-# V4-Flash, swiglu_limit 10 as in its config.
-V4_FLASH = [
+# V4-Flash, swiglu_limit 10 as in its config; V4-Pro's D and I (7168 = 56 x 128, not a power of two)
+# with 96 of its 384 experts (one rank of four: its weights as large as Flash's 256 experts).
+V4_MODELS = [
     pytest.param(1, 4096, 2048, 256, 6, 0.0, marks=GPU),
     pytest.param(16, 4096, 2048, 256, 6, 0.0, marks=GPU),
     pytest.param(300, 4096, 2048, 256, 6, 0.0, marks=GPU),
     pytest.param(64, 4096, 2048, 128, 6, 0.0, marks=GPU),
+    pytest.param(16, 7168, 3072, 96, 6, 0.0, marks=GPU, id="pro-16"),
+    pytest.param(300, 7168, 3072, 96, 6, 0.0, marks=GPU, id="pro-300"),
 ]
 
 
@@ -65,8 +68,8 @@ def test_moe_experts_mxfp4_matches_ref(T, D, I, E, k, p_hot, dtype, narrow_scale
         assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-@pytest.mark.parametrize("T, D, I, E, k, p_hot", V4_FLASH)
-def test_moe_experts_mxfp4_v4_flash(T, D, I, E, k, p_hot):
+@pytest.mark.parametrize("T, D, I, E, k, p_hot", V4_MODELS)
+def test_moe_experts_mxfp4_v4_dims(T, D, I, E, k, p_hot):
     args = moe_mxfp4_args(T, D, I, E, k, torch.bfloat16, p_hot=p_hot, limit=10.0)
     assert_close(moe_experts_mxfp4(*args, narrow_scales=True), moe_experts_mxfp4_ref(*args), torch.bfloat16)
 

@@ -59,10 +59,9 @@ def run_vllm(tmp_path: Path, model: Path, engine: dict, batches: list[dict], nam
     return dict(torch.load(out_path, weights_only=False), log=proc.stdout + proc.stderr)
 
 
-@pytest.fixture(scope="module")
-def hf_reference(tiny_ckpt_unquantized):
+def transformers_outputs(checkpoint: Path) -> list[dict]:
     """Per reference prompt: next-token log-probs at every position [L, V] and 32 greedy tokens."""
-    model = load_hf_reference(tiny_ckpt_unquantized)
+    model = load_hf_reference(checkpoint)
     model.generation_config.eos_token_id = None
     out = []
     with torch.no_grad():
@@ -72,6 +71,11 @@ def hf_reference(tiny_ckpt_unquantized):
             greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
             out.append({"logprobs": logprobs, "greedy": greedy[0, len(prompt):].tolist()})
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_ckpt_unquantized):
+    return transformers_outputs(tiny_ckpt_unquantized)
 
 
 UNCHUNKED_ENGINE = dict(ENGINE, max_num_batched_tokens=4096)
@@ -102,6 +106,21 @@ def test_logits_match_transformers(vllm_unchunked, hf_reference, index):
 @pytest.mark.parametrize("index", range(len(PROMPT_LENS)), ids=[f"len{n}" for n in PROMPT_LENS])
 def test_greedy_matches_transformers_generate(vllm_unchunked, hf_reference, index):
     assert vllm_unchunked["batches"][0][index]["tokens"] == hf_reference[index]["greedy"]
+
+
+def test_pro_structure_matches_transformers(tmp_path_factory, make_checkpoint_module):
+    """V4-Pro's structure at tiny size (make_checkpoint's ``tiny-pro``: no SWA-only layer, C128 first,
+    hash routing on compressed layers, 2.5 routed scaling, 4 output groups, a hidden size of 96 and
+    12 experts): the reference prompts' log-probs and greedy tokens as transformers' (the tests above
+    hold V4-Flash's structure)."""
+    checkpoint = make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_pro"), "tiny-pro",
+                                                        quantized=False, seed=0)
+    ours = run_vllm(tmp_path_factory.mktemp("pro"), checkpoint, UNCHUNKED_ENGINE,
+                    [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "pro")["batches"][0]
+    for n, result, ref in zip(PROMPT_LENS, ours, transformers_outputs(checkpoint)):
+        diff = (vllm_next_token_logprobs(result) - ref["logprobs"]).abs().max().item()
+        assert diff <= LOGIT_TOL, f"prompt of {n} tokens: max |logprob diff| {diff:.3g}"
+        assert result["tokens"] == ref["greedy"], f"prompt of {n} tokens"
 
 
 def test_concurrent_requests_equal_requests_alone(vllm_unchunked):
