@@ -3,11 +3,12 @@
 Matches :func:`rope_ref.apply_rope_tail`: the last ``r = 2 * len(inv_freq)`` channels rotate in
 interleaved pairs ``(x[2i], x[2i+1])`` by ``p * f_i`` (``-p`` with ``inverse``), the leading ``d - r``
 are copied. The angle is the same fp32 product as the reference's; cos / sin are computed in the
-kernel (libdevice, with full range reduction: positions reach 10^6). One program per (token, outer
-middle axis, block of heads) loads its rows whole (one read, one write of each value: the loads of a
-step are all in flight at once), rotates the tail's pairs in fp32 (split from the rows in registers)
-and stores everything; bf16 results are rounded to nearest even by hand (the interpreter's cast
-truncates). Input and output take their own strides on two middle axes, so the result can land
+kernel (libdevice, with full range reduction: positions reach 10^6), for the tail's r / 2 pairs only
+(once per program: at V4's 512-channel heads, computing them for all d / 2 pairs made the kernel
+arithmetic-bound). One program per (token, outer middle axis, block of heads) loads its rows as their
+nope channels and their tail (one read, one write of each value: the loads of a step are all in
+flight at once), rotates the tail's pairs in fp32 and stores everything; bf16 results are rounded to
+nearest even by hand (the interpreter's cast truncates). Input and output take their own strides on two middle axes, so the result can land
 straight in another layout (``wo_a``'s group-major input, model/attention.py).
 
 :func:`norm_rope_tail` (the main query's per-head norm, then its RoPE) is the same kernel with
@@ -37,31 +38,37 @@ ROW_TILE = 2048
 @triton.jit
 def _rope_tail_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr,
-    M, d, pair0, eps,
+    M, d, nope, eps,
     s_xt, s_xa, s_xm, s_xd, s_ot, s_oa, s_om, s_od,
-    INVERSE: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    INVERSE: tl.constexpr, NORM: tl.constexpr, X_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     a = tl.program_id(1).to(tl.int64)  # outer middle axis (e.g. the head group of a group-major out)
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] heads
-    c = tl.arange(0, BLOCK_D)[None, :]  # [1, BD] channels
-    mask = (m < M)[:, None] & (c < d)
-    x = tl.load(x_ptr + t * s_xt + a * s_xa + m[:, None] * s_xm + c * s_xd, mask=mask, other=0.0).to(tl.float32)
+    m = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]  # [BM, 1] heads
+    c = tl.arange(0, BLOCK_NOPE)[None, :]  # [1, BN] nope channels 0 .. nope - 1
+    k = nope + tl.arange(0, BLOCK_R)[None, :]  # [1, BR] tail channels nope .. d - 1
+    nope_ok, tail_ok = (m < M) & (c < nope), (m < M) & (k < d)
+    row = x_ptr + t * s_xt + a * s_xa + m * s_xm
+    x = tl.load(row + c * s_xd, mask=nope_ok, other=0.0).to(tl.float32)  # [BM, BN]
+    xt = tl.load(row + k * s_xd, mask=tail_ok, other=0.0).to(tl.float32)  # [BM, BR]
     if NORM:  # rms_norm(x, None, eps), rounded to x's dtype as the unfused op stores it
-        x = _round_to_x(x * tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)[:, None], X_BF16)
+        inv_rms = tl.rsqrt((tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1)) / d + eps)[:, None]
+        x = _round_to_x(x * inv_rms, X_BF16)
+        xt = _round_to_x(xt * inv_rms, X_BF16)
 
-    x0, x1 = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_D // 2, 2]))  # [BM, BD/2]: channels 2j, 2j + 1
-    j = tl.arange(0, BLOCK_D // 2)[None, :]  # [1, BD/2] pairs; the tail is pairs pair0 .. d/2 - 1
-    tail = (j >= pair0) & (2 * j < d)
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + (j - pair0), mask=tail, other=0.0)
+    # cos / sin of the tail's pairs only (r / 2 of them, not d / 2): the kernel's arithmetic is there
+    x0, x1 = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_R // 2, 2]))  # [BM, BR/2]: channels 2j, 2j + 1 of the tail
+    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2]
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + j, mask=2 * j < d - nope, other=0.0)
     cos = tl.cos(angle)
     sin = tl.sin(angle)
     if INVERSE:
         sin = -sin
-    y0 = tl.where(tail, x0 * cos - x1 * sin, x0)
-    y1 = tl.where(tail, x1 * cos + x0 * sin, x1)
-    y = tl.reshape(tl.join(y0, y1), [BLOCK_M, BLOCK_D])  # nope channels exact in x's dtype: stored as loaded
-    _store_values(out_ptr + t * s_ot + a * s_oa + m[:, None] * s_om + c * s_od, y, mask, X_BF16)
+    y = tl.reshape(tl.join(x0 * cos - x1 * sin, x1 * cos + x0 * sin), [BLOCK_M, BLOCK_R])
+    out = out_ptr + t * s_ot + a * s_oa + m * s_om
+    _store_values(out + c * s_od, x, nope_ok, X_BF16)  # nope channels exact in x's dtype: stored as loaded
+    _store_values(out + k * s_od, y, tail_ok, X_BF16)
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
@@ -123,13 +130,14 @@ def _rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, no
     x4, out4 = _two_middle_axes(x), _two_middle_axes(out)  # [T, A, B, d]
     A, B = x4.shape[1:3]
     inv_freq = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
-    block_d = max(16, triton.next_power_of_2(d))
-    block_m = max(1, ROW_TILE // block_d)  # not by the head count: one compiled kernel per row width
+    nope = d - 2 * half_r
+    # rows per program by the row width, not the head count: one compiled kernel per width
+    block_m = max(1, ROW_TILE // max(16, triton.next_power_of_2(d)))
     _rope_tail_kernel[(T, A, triton.cdiv(B, block_m))](
         x4, positions.to(x.device), inv_freq, out4,
-        B, d, d // 2 - half_r, 0.0 if norm_eps is None else float(norm_eps),
+        B, d, nope, 0.0 if norm_eps is None else float(norm_eps),
         *x4.stride(), *out4.stride(),
         INVERSE=bool(inverse), NORM=norm_eps is not None, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m,
-        BLOCK_D=block_d,
+        BLOCK_NOPE=max(16, triton.next_power_of_2(nope)), BLOCK_R=max(16, triton.next_power_of_2(2 * half_r)),
     )
     return out
