@@ -1,9 +1,9 @@
 """Where a profiled step waits on the host. Reads a torch-profiler trace (``bench_gpu.py --profile``
-writes the prefill's, gzipped) and prints how long the GPU sat idle between its kernels and copies,
-the longest of those gaps with the frame of our code that launched the work ending each, and every
-synchronising host call counted and timed by the innermost frame of our code that made it. With
-``--frames N``, also the N Python frames (anyone's code) that held the host longest, with their own
-time beside: where a host-bound step spends it (bench_gpu.py writes the decode steps' trace too).
+writes the decode steps' and the prefill's, gzipped) and prints how long the GPU sat idle between its
+kernels and copies, the longest of those gaps with the frame of our code that launched the work ending
+each, and every synchronising host call counted and timed by the innermost frame of our code that made
+it. With ``--frames N``, also the N Python frames (anyone's code) that held the host longest, with
+their own time beside: where a host-bound step spends it.
 
     python scripts/trace_waits.py bench.plugin.prefill.trace.json.gz [--match REGEX] [--gaps 10] [--frames 25]
 """

@@ -103,7 +103,8 @@ def test_moe_rows_do_not_depend_on_padding_rows(experts, backend):
     if backend == "marlin":
         fn = compat.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in weights])
     else:
-        fn = lambda x, w, ids: moe_experts_mxfp4(x, w, ids, *weights)  # noqa: E731
+        def fn(x, w, ids):
+            return moe_experts_mxfp4(x, w, ids, *weights)
     x, w, ids = routed(1)
     for real in (1, 5, 13):
         alone, padded = fn(x[:real], w[:real], ids[:real]), fn(x, w, ids)[:real]
