@@ -14,6 +14,23 @@ def test_warm_up_sizes_are_the_powers_of_two_up_to_the_cap_and_the_budget():
     assert warmup.warm_up_sizes(100) == [1, 2, 4, 8, 16, 32, 64]
 
 
+def test_skip_takes_no_warm_up_step_and_full_takes_them_all(monkeypatch):
+    from types import SimpleNamespace
+
+    steps = []
+    runner = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=8), uniform_decode_query_len=1,
+                             max_num_reqs=4, positions=torch.zeros(8, dtype=torch.long),
+                             _dummy_run=lambda tokens, **kw: steps.append((tokens, "uniform_decode" in kw)),
+                             get_model=lambda: torch.nn.Module())
+    monkeypatch.setattr(warmup, "WARM_UP", "skip")
+    warmup.warm_up_kernels(runner)
+    assert steps == []
+    monkeypatch.setattr(warmup, "WARM_UP", "full")
+    warmup.warm_up_kernels(runner)
+    # decodes of 1, 2 and 4 requests (max_num_reqs 4); mixed steps of 2, 4 and 8 tokens
+    assert sorted(steps) == [(1, True), (2, False), (2, True), (4, False), (4, True), (8, False)]
+
+
 def linear(rows: int, cols: int, kernel: str, calls: list, groups: int = 1) -> Linear:
     layer = Linear(cols, rows * groups)
     layer.groups = groups

@@ -16,6 +16,7 @@ DeepGEMM warm-up uses for its own layers, which it finds by class and so never o
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -27,6 +28,11 @@ from vllm_dsv4.model.layers import Linear
 logger = get_logger(__name__)
 
 WARM_UP_TOKENS = 1024  # a mixed step this size scores its queries with the indexer's prefill tile (512+)
+# VLLM_DSV4_WARMUP=skip: no warm-up steps, a quicker start for development and tests; each kernel variant
+# then compiles when a step first needs it (seconds each on a fresh machine, stalling that step)
+WARM_UP = os.environ.get("VLLM_DSV4_WARMUP", "full")
+if WARM_UP not in ("full", "skip"):
+    raise ValueError(f"VLLM_DSV4_WARMUP={WARM_UP!r}: use 'full' or 'skip'")
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -86,6 +92,9 @@ def warm_up_kernels(runner) -> None:
     """Runs the warm-up steps on a vLLM model runner (GPU or CPU): dummy steps with attention metadata,
     every row bound to the null block as in CUDA-graph capture, outputs discarded. Every rank of a
     data-parallel engine runs the same steps (they synchronise as vLLM's own warm-up steps do)."""
+    if WARM_UP == "skip":
+        logger.info("vllm-dsv4: warm-up steps skipped (VLLM_DSV4_WARMUP=skip): kernels compile on first use")
+        return
     started = time.perf_counter()
     max_tokens = runner.scheduler_config.max_num_batched_tokens
     query_tokens = runner.uniform_decode_query_len  # a decode's: 1, or 1 + its draft tokens with MTP
