@@ -2,8 +2,9 @@
 
 Matches :func:`kv_insert_ref.norm_rope_insert` (same signature): it fuses ``norm_ref.rms_norm``,
 ``rope_ref.apply_rope_tail`` and ``kv_cache_ref.write_entries`` (with kv_pack_ref's codecs). One
-program per block of rows loads each row once, norms it in fp32, rotates the tail's interleaved pairs
-(split from the row in registers), and encodes and scatters it through the block table with
+program per block of rows loads each row, norms it in fp32, rotates the tail's interleaved pairs
+(the tail loaded again, from cache, so that cos / sin are worked out for its pairs only:
+``rope._rotate_pairs``), and encodes and scatters it through the block table with
 kv_cache.py's codec helpers. Rows with ``req < 0`` are masked out in the kernel: no host sync, a
 grid fixed by the shapes (capturable in a CUDA graph).
 
@@ -38,6 +39,7 @@ from csrc_triton.kv_cache import (
     _store_values,
 )
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
+from csrc_triton.rope import _rotate_pairs
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -46,7 +48,7 @@ def _norm_rope_insert_kernel(
     N, D, pair0, E, C, nope, rope, eps,
     s_xn, s_xd, s_w, s_pos, s_req, s_entry, s_bt0, s_bt1, s_v0, s_v1, s_v2,
     MAIN: tl.constexpr, INDEX: tl.constexpr, X_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NOPE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NOPE_BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows
     ok = tl.load(req_ptr + n * s_req, mask=n < N, other=-1) >= 0  # padded rows read and write nothing
@@ -58,24 +60,28 @@ def _norm_rope_insert_kernel(
     x = tl.load(x_ptr + n[:, None] * s_xn + c * s_xd, mask=m, other=0.0).to(tl.float32)  # [BN, BD]
     w = tl.load(w_ptr + c * s_w, mask=c < D, other=0.0).to(tl.float32)  # [1, BD]
     rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # [BN, 1]
-    y = _round_to_x(x * rms * w, X_BF16)  # rms_norm; lanes c >= D and padded rows hold 0
-
-    y0, y1 = tl.split(tl.reshape(y, [BLOCK_N, BLOCK_D // 2, 2]))  # [BN, BD/2]: channels 2j, 2j + 1
-    j = tl.arange(0, BLOCK_D // 2)[None, :]  # [1, BD/2] pairs; the tail is pairs pair0 .. D/2 - 1
-    tail = (j >= pair0) & (2 * j < D)
+    y = _round_to_x(x * rms * w, X_BF16)  # rms_norm; lanes c >= D and padded rows hold 0; its tail is not stored
+    # the tail (channels tail0 .. D - 1, the row being in cache) normed alike, then rotated: apply_rope_tail
+    tail0 = 2 * pair0
+    head = m & (c < tail0)  # [BN, BD] the channels stored from y
+    t = tail0 + tl.arange(0, BLOCK_R)[None, :]  # [1, BR]
+    mt = ok[:, None] & (t < D)
+    xt = tl.load(x_ptr + n[:, None] * s_xn + t * s_xd, mask=mt, other=0.0).to(tl.float32)
+    yt = _round_to_x(xt * rms * tl.load(w_ptr + t * s_w, mask=t < D, other=0.0).to(tl.float32), X_BF16)
+    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2] the tail's pairs
     pos = tl.load(pos_ptr + n * s_pos, mask=ok, other=0).to(tl.float32)[:, None]  # [BN, 1]
-    angle = pos * tl.load(freq_ptr + (j - pair0), mask=tail, other=0.0)  # [BN, BD/2], the reference's product
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    r0 = tl.where(tail, y0 * cos - y1 * sin, y0)
-    r1 = tl.where(tail, y1 * cos + y0 * sin, y1)
-    y = _round_to_x(tl.reshape(tl.join(r0, r1), [BLOCK_N, BLOCK_D]), X_BF16)  # apply_rope_tail
+    angle = pos * tl.load(freq_ptr + j, mask=2 * j < D - tail0, other=0.0)  # [BN, BR/2], the reference's product
+    yt = _round_to_x(_rotate_pairs(yt, angle, False, BLOCK_N, BLOCK_R), X_BF16)
 
     row = block + o * s_v1  # [BN, 1] raw and indexer entries
     if not (MAIN or INDEX):  # raw entries: cast to the view's dtype
-        _store_values(row + c * s_v2, y, m, OUT_BF16)
+        _store_values(row + c * s_v2, y, head, OUT_BF16)
+        _store_values(row + t * s_v2, yt, mt, OUT_BF16)
     elif INDEX:  # e4m3, one fp32 power-of-two scale per entry
-        k = _scale_exponent(tl.max(tl.abs(y), axis=1))[:, None]  # [BN, 1]
-        _store_e4m3(row + c * s_v2, y, k, m)
+        amax = tl.maximum(tl.max(tl.where(head, tl.abs(y), 0.0), axis=1), tl.max(tl.abs(yt), axis=1))
+        k = _scale_exponent(amax)[:, None]  # [BN, 1]
+        _store_e4m3(row + c * s_v2, y, k, head)
+        _store_e4m3(row + t * s_v2, yt, k, mt)
         _store_index_scale(row + D * s_v2, k, ok[:, None], s_v2)
     else:  # main (bytes contiguous): e4m3 nope with one ue8m0 byte per 64 values, bf16 rope, zero pad
         data, scales = _main_parts(block, o, E, nope + 2 * rope, C)
@@ -85,7 +91,7 @@ def _norm_rope_insert_kernel(
         k = _scale_exponent(tl.max(blocks, axis=2))  # [BN, NB]
         k_c = tl.reshape(tl.broadcast_to(k[:, :, None], [BLOCK_N, NB, NOPE_BLOCK]), [BLOCK_N, BLOCK_D])
         _store_e4m3(data + c, y, k_c, m & fp8)
-        _store_bf16_bytes(data + 2 * c - nope, y, m & (c >= nope), 1)  # byte nope + 2 (c - nope)
+        _store_bf16_bytes(data + 2 * t - nope, yt, mt, 1)  # channel t at byte nope + 2 (t - nope)
         b = tl.arange(0, NB)[None, :]  # [1, NB] scale blocks, ceil(nope / 64) of them real
         tl.store(scales + b, (k + 127).to(tl.uint8), mask=ok[:, None] & (b * NOPE_BLOCK < nope))
         _store_scale_pad(scales, nope, C - nope - 2 * rope, ok[:, None], NOPE_BLOCK)
@@ -111,7 +117,7 @@ def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions:
     assert rope_positions.shape == req.shape == entry.shape == (N,), (rope_positions.shape, req.shape, entry.shape)
     assert view.dim() == 3 and block_table.dim() == 2, (view.shape, block_table.shape)
     mode, dim, nope, rope = _mode(view, fp8)
-    assert dim == D, (dim, D)
+    assert dim == D and (mode != "main" or nope == D - 2 * half_r), (dim, D, nope, half_r)  # bf16 part = the tail
     if N == 0:
         return
     block_d = max(NOPE_BLOCK, triton.next_power_of_2(D))  # whole 64-value scale blocks for main entries
@@ -124,5 +130,5 @@ def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions:
         *block_table.stride(), *view.stride(),
         MAIN=mode == "main", INDEX=mode == "index", X_BF16=x.dtype == torch.bfloat16,
         OUT_BF16=mode == "raw" and view.dtype == torch.bfloat16,
-        BLOCK_N=block_n, BLOCK_D=block_d, NOPE_BLOCK=NOPE_BLOCK,
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=max(16, triton.next_power_of_2(2 * half_r)), NOPE_BLOCK=NOPE_BLOCK,
     )

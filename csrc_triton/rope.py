@@ -8,8 +8,9 @@ kernel (libdevice, with full range reduction: positions reach 10^6), for the tai
 arithmetic-bound). One program per (token, outer middle axis, block of heads) loads its rows as their
 nope channels and their tail (one read, one write of each value: the loads of a step are all in
 flight at once), rotates the tail's pairs in fp32 and stores everything; bf16 results are rounded to
-nearest even by hand (the interpreter's cast truncates). Input and output take their own strides on two middle axes, so the result can land
-straight in another layout (``wo_a``'s group-major input, model/attention.py).
+nearest even by hand (the interpreter's cast truncates). Input and output take their own strides on
+two middle axes, so the result can land straight in another layout (``wo_a``'s group-major input,
+model/attention.py). ``_rotate_pairs`` is the rotation, shared with kv_insert.py.
 
 :func:`norm_rope_tail` (the main query's per-head norm, then its RoPE) is the same kernel with
 ``norm_ref.rms_norm(x, None, eps)`` fused in front: the program norms each head row in registers
@@ -36,6 +37,19 @@ ROW_TILE = 2048
 
 
 @triton.jit
+def _rotate_pairs(xt, angle, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``xt [BM, BR]`` (fp32) with its interleaved pairs ``(2j, 2j + 1)`` rotated by ``angle`` [BM or 1,
+    BR/2] (by ``-angle`` with INVERSE): the tail's only arithmetic, so cos / sin are worked out for its
+    pairs alone."""
+    x0, x1 = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_R // 2, 2]))  # [BM, BR/2]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    if INVERSE:
+        sin = -sin
+    return tl.reshape(tl.join(x0 * cos - x1 * sin, x1 * cos + x0 * sin), [BLOCK_M, BLOCK_R])
+
+
+@triton.jit
 def _rope_tail_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr,
     M, d, nope, eps,
@@ -57,15 +71,9 @@ def _rope_tail_kernel(
         x = _round_to_x(x * inv_rms, X_BF16)
         xt = _round_to_x(xt * inv_rms, X_BF16)
 
-    # cos / sin of the tail's pairs only (r / 2 of them, not d / 2): the kernel's arithmetic is there
-    x0, x1 = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_R // 2, 2]))  # [BM, BR/2]: channels 2j, 2j + 1 of the tail
-    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2]
+    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2] the tail's pairs
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + j, mask=2 * j < d - nope, other=0.0)
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    if INVERSE:
-        sin = -sin
-    y = tl.reshape(tl.join(x0 * cos - x1 * sin, x1 * cos + x0 * sin), [BLOCK_M, BLOCK_R])
+    y = _rotate_pairs(xt, angle, INVERSE, BLOCK_M, BLOCK_R)
     out = out_ptr + t * s_ot + a * s_oa + m * s_om
     _store_values(out + c * s_od, x, nope_ok, X_BF16)  # nope channels exact in x's dtype: stored as loaded
     _store_values(out + k * s_od, y, tail_ok, X_BF16)

@@ -54,9 +54,9 @@ esac
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
 # not yet passed on a GPU (2026-12-05e): the MoE layer's graph replay (test_moe_layer_replays_as_eager; the file's
 # other tests passed, then the call's time ran out), whether padding rows change a MoE's real rows, the MoE at
-# V4-Pro's dims, and the RoPE kernel's tail-only cos / sin
+# V4-Pro's dims, and the tail-only cos / sin of the RoPE and KV-insert kernels
 CHANGED_TESTS="tests/model/test_graph_replay.py tests/csrc_triton/test_moe_mxfp4_kernel.py
-  tests/csrc_triton/test_rope_kernel.py"
+  tests/csrc_triton/test_rope_kernel.py tests/csrc_triton/test_kv_insert_kernel.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md
