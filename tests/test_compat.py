@@ -1,5 +1,8 @@
 """The plugin's contact points with whichever vLLM is installed (0.32 in CI, 0.26 on the device)."""
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -15,12 +18,9 @@ def test_register_is_idempotent_and_overrides_the_in_tree_architecture():
     assert (entry.module_name, entry.class_name) == ("vllm_dsv4.model.decoder", "DeepseekV4ForCausalLM")
 
 
-def test_our_logs_go_through_vllms_logger():
-    """vLLM configures only its ``vllm`` logger (handlers, level): ours must sit under it, or Python's
-    last-resort handler takes our records and drops INFO (the warm-up's step timings never printed)."""
-    import logging
-
-    from vllm_dsv4.serving import warmup
+@contextlib.contextmanager
+def vllm_log_messages():
+    """The messages that reach vLLM's ``vllm`` logger (at INFO and above) while the block runs."""
 
     class Collect(logging.Handler):
         def __init__(self):
@@ -35,11 +35,29 @@ def test_our_logs_go_through_vllms_logger():
     vllm_logger.addHandler(handler)
     vllm_logger.setLevel(logging.INFO)
     try:
-        warmup.logger.info("warm-up took %.1f s", 1.5)
+        yield handler.messages
     finally:
         vllm_logger.removeHandler(handler)
         vllm_logger.setLevel(level)
-    assert handler.messages == ["warm-up took 1.5 s"]
+
+
+def test_our_logs_go_through_vllms_logger():
+    """vLLM configures only its ``vllm`` logger (handlers, level): ours must sit under it, or Python's
+    last-resort handler takes our records and drops INFO (the warm-up's step timings never printed)."""
+    from vllm_dsv4.serving import warmup
+
+    with vllm_log_messages() as messages:
+        warmup.logger.info("warm-up took %.1f s", 1.5)
+    assert messages == ["warm-up took 1.5 s"]
+
+
+def test_a_binding_warning_prints_once_per_message():
+    with vllm_log_messages() as messages:
+        for _ in range(3):  # as every layer's linears of one shape bind
+            compat._warn_once("no vLLM block-FP8 kernel for (64, 64) (test)")
+        compat._warn_once("no vLLM block-FP8 kernel for (128, 64) (test)")
+    assert messages == ["vllm-dsv4: no vLLM block-FP8 kernel for (64, 64) (test)",
+                        "vllm-dsv4: no vLLM block-FP8 kernel for (128, 64) (test)"]
 
 
 def test_official_fp8_checkpoint_is_claimed_by_the_plugin_not_the_in_tree_layers():

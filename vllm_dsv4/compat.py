@@ -445,7 +445,9 @@ def flashmla_sparse() -> SimpleNamespace | None:
                            prefill=flashmla.flash_mla_sparse_fwd)
 
 
+@functools.cache
 def _warn_once(message: str) -> None:
+    """Each message once per process: the binding that emits it runs for every FP8 linear of every layer."""
     logger.warning("vllm-dsv4: %s", message)
 
 
