@@ -39,7 +39,7 @@ from csrc_triton.kv_cache import (
     _store_values,
 )
 from csrc_triton.kv_pack_ref import NOPE_BLOCK
-from csrc_triton.rope import _rotate_pairs
+from csrc_triton.rope import _rotate_pairs, tail_block
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -68,10 +68,8 @@ def _norm_rope_insert_kernel(
     mt = ok[:, None] & (t < D)
     xt = tl.load(x_ptr + n[:, None] * s_xn + t * s_xd, mask=mt, other=0.0).to(tl.float32)
     yt = _round_to_x(xt * rms * tl.load(w_ptr + t * s_w, mask=t < D, other=0.0).to(tl.float32), X_BF16)
-    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2] the tail's pairs
     pos = tl.load(pos_ptr + n * s_pos, mask=ok, other=0).to(tl.float32)[:, None]  # [BN, 1]
-    angle = pos * tl.load(freq_ptr + j, mask=2 * j < D - tail0, other=0.0)  # [BN, BR/2], the reference's product
-    yt = _round_to_x(_rotate_pairs(yt, angle, False, BLOCK_N, BLOCK_R), X_BF16)
+    yt = _round_to_x(_rotate_pairs(yt, pos, freq_ptr, D - tail0, False, BLOCK_N, BLOCK_R), X_BF16)
 
     row = block + o * s_v1  # [BN, 1] raw and indexer entries
     if not (MAIN or INDEX):  # raw entries: cast to the view's dtype
@@ -130,5 +128,5 @@ def norm_rope_insert(x: Tensor, norm_weight: Tensor, eps: float, rope_positions:
         *block_table.stride(), *view.stride(),
         MAIN=mode == "main", INDEX=mode == "index", X_BF16=x.dtype == torch.bfloat16,
         OUT_BF16=mode == "raw" and view.dtype == torch.bfloat16,
-        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=max(16, triton.next_power_of_2(2 * half_r)), NOPE_BLOCK=NOPE_BLOCK,
+        BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_R=tail_block(2 * half_r), NOPE_BLOCK=NOPE_BLOCK,
     )

@@ -36,11 +36,18 @@ from csrc_triton.kv_cache import _round_to_x, _store_values
 ROW_TILE = 2048
 
 
+def tail_block(r: int) -> int:
+    """The tile width (``BLOCK_R``) of an ``r``-channel rope tail."""
+    return max(16, triton.next_power_of_2(r))
+
+
 @triton.jit
-def _rotate_pairs(xt, angle, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``xt [BM, BR]`` (fp32) with its interleaved pairs ``(2j, 2j + 1)`` rotated by ``angle`` [BM or 1,
-    BR/2] (by ``-angle`` with INVERSE): the tail's only arithmetic, so cos / sin are worked out for its
-    pairs alone."""
+def _rotate_pairs(xt, position, freq_ptr, r, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``xt [BM, BR]`` (fp32, the ``r`` tail channels) with its interleaved pairs ``(2j, 2j + 1)`` rotated
+    by ``position * freq[j]`` (``position`` fp32, a scalar or [BM, 1]; the reference's product), by its
+    negative with INVERSE: the tail's only arithmetic, so cos / sin are worked out for its pairs alone."""
+    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2]
+    angle = position * tl.load(freq_ptr + j, mask=2 * j < r, other=0.0)
     x0, x1 = tl.split(tl.reshape(xt, [BLOCK_M, BLOCK_R // 2, 2]))  # [BM, BR/2]
     cos = tl.cos(angle)
     sin = tl.sin(angle)
@@ -71,9 +78,7 @@ def _rope_tail_kernel(
         x = _round_to_x(x * inv_rms, X_BF16)
         xt = _round_to_x(xt * inv_rms, X_BF16)
 
-    j = tl.arange(0, BLOCK_R // 2)[None, :]  # [1, BR/2] the tail's pairs
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + j, mask=2 * j < d - nope, other=0.0)
-    y = _rotate_pairs(xt, angle, INVERSE, BLOCK_M, BLOCK_R)
+    y = _rotate_pairs(xt, tl.load(pos_ptr + t).to(tl.float32), freq_ptr, d - nope, INVERSE, BLOCK_M, BLOCK_R)
     out = out_ptr + t * s_ot + a * s_oa + m * s_om
     _store_values(out + c * s_od, x, nope_ok, X_BF16)  # nope channels exact in x's dtype: stored as loaded
     _store_values(out + k * s_od, y, tail_ok, X_BF16)
@@ -146,6 +151,6 @@ def _rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, no
         B, d, nope, 0.0 if norm_eps is None else float(norm_eps),
         *x4.stride(), *out4.stride(),
         INVERSE=bool(inverse), NORM=norm_eps is not None, X_BF16=x.dtype == torch.bfloat16, BLOCK_M=block_m,
-        BLOCK_NOPE=max(16, triton.next_power_of_2(nope)), BLOCK_R=max(16, triton.next_power_of_2(2 * half_r)),
+        BLOCK_NOPE=max(16, triton.next_power_of_2(nope)), BLOCK_R=tail_block(2 * half_r),
     )
     return out

@@ -91,10 +91,9 @@ class StepPlans:
     V4-Flash, and FlashMLA's scheduler plan alone took 27 us per layer and step on the H200: 2026-12-05
     decode profile, one per layer), and the step's fields (token map, query starts, bounds: the 17
     groups of a 6-layer step took 185 us to build on a 2-core CPU with each working them out, 119
-    without). vLLM builds each group's metadata from a
-    shallow copy of one ``CommonAttentionMetadata`` per step, so the groups of a step hand in the same
-    ``query_start_loc_cpu`` tensor, a new slice every step, which marks the step (held here, so its id
-    cannot be reused by another)."""
+    without). vLLM builds each group's metadata from a shallow copy of one ``CommonAttentionMetadata``
+    per step, so the groups of a step hand in the same ``query_start_loc_cpu`` tensor, a new slice
+    every step, which marks the step (held here, so its id cannot be reused by another)."""
 
     _by_device: dict[str, StepPlans] = {}
 
