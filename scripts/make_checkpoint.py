@@ -151,6 +151,9 @@ _KTINY_OVERRIDES: dict[str, Any] = {
     "max_position_embeddings": 65536,
 }
 
+# The presets drawn from TINY, each as its overrides
+_TINY_VARIANTS: dict[str, dict[str, Any]] = {"tiny": {}, "tiny-pro": _TINY_PRO_OVERRIDES, "ktiny": _KTINY_OVERRIDES}
+
 _FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -226,12 +229,8 @@ def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
 
 def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None) -> dict[str, Any]:
     """The config.json dict (official key style) of a preset."""
-    if preset == "tiny":
-        raw = json.loads(json.dumps(_TINY))
-    elif preset == "tiny-pro":
-        raw = {**json.loads(json.dumps(_TINY)), **json.loads(json.dumps(_TINY_PRO_OVERRIDES))}
-    elif preset == "ktiny":
-        raw = {**json.loads(json.dumps(_TINY)), **json.loads(json.dumps(_KTINY_OVERRIDES))}
+    if preset in _TINY_VARIANTS:  # deep copies: callers may edit what they get
+        raw = json.loads(json.dumps({**_TINY, **_TINY_VARIANTS[preset]}))
     elif preset == "flash":
         raw = json.loads(json.dumps(_FLASH))
         num_layers = 6 if num_layers is None else num_layers
