@@ -46,7 +46,6 @@ from vllm_dsv4.loader.dequant import (  # noqa: E402
 )
 
 MAX_SHARD_BYTES = 4 * 2**30
-PRESETS = ("tiny", "tiny-pro", "ktiny", "flash")
 
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
@@ -60,100 +59,7 @@ QUANTIZATION_CONFIG = {
 # config.json
 # --------------------------------------------------------------------------------------------
 
-_TINY: dict[str, Any] = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 32,
-    "o_groups": 2,
-    "o_lora_rank": 16,
-    "sliding_window": 16,
-    "compress_ratios": [0, 4, 128, 4, 0],
-    "compress_rope_theta": 160000,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 256,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 4096,
-    "index_n_heads": 16,
-    "index_head_dim": 32,
-    "index_topk": 8,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "num_hash_layers": 2,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "hidden_act": "silu",
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "num_nextn_predict_layers": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
-}
-
-# V4-Pro's structure at tiny size (dsv4_architecture.md §1.1): no SWA-only layer (C128, C128, then C4 /
-# C128), three hash layers reaching into both compressed kinds, 2.5 routed scaling, more output groups,
-# and dims that are not powers of two (a hidden size of 3 x 32, 12 experts), as Pro's 7168 and 384 are not.
-_TINY_PRO_OVERRIDES: dict[str, Any] = {
-    "hidden_size": 96,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 8,
-    "q_lora_rank": 48,
-    "o_groups": 4,
-    "compress_ratios": [128, 128, 4, 128, 4, 0],
-    "index_topk": 16,
-    "n_routed_experts": 12,
-    "moe_intermediate_size": 64,
-    "num_hash_layers": 3,
-    "routed_scaling_factor": 2.5,
-}
-
-_KTINY_OVERRIDES: dict[str, Any] = {
-    "hidden_size": 256,
-    "num_attention_heads": 8,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 128,
-    "o_groups": 2,
-    "o_lora_rank": 128,
-    "sliding_window": 128,
-    "index_n_heads": 16,
-    "index_head_dim": 128,
-    "index_topk": 64,
-    "n_routed_experts": 16,
-    "num_experts_per_tok": 4,
-    "moe_intermediate_size": 128,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 16,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 65536,
-}
-
-# The presets drawn from TINY, each as its overrides
-_TINY_VARIANTS: dict[str, dict[str, Any]] = {"tiny": {}, "tiny-pro": _TINY_PRO_OVERRIDES, "ktiny": _KTINY_OVERRIDES}
-
+# The released V4-Flash config.json's model keys
 _FLASH: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -203,6 +109,89 @@ _FLASH: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# Tiny dims for CPU tests (a few MB), the structure V4-Flash's: SWA-only, C4 and C128 layers, hash-routed first layers
+_TINY_OVERRIDES: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "sliding_window": 16,
+    "compress_ratios": [0, 4, 128, 4, 0],
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 4096,
+    "index_n_heads": 16,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "num_hash_layers": 2,
+}
+
+# V4-Pro's structure at tiny size (dsv4_architecture.md §1.1): no SWA-only layer (C128, C128, then C4 /
+# C128), three hash layers reaching into both compressed kinds, 2.5 routed scaling, more output groups,
+# and dims that are not powers of two (a hidden size of 3 x 32, 12 experts), as Pro's 7168 and 384 are not.
+_TINY_PRO_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 96,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 8,
+    "q_lora_rank": 48,
+    "o_groups": 4,
+    "compress_ratios": [128, 128, 4, 128, 4, 0],
+    "index_topk": 16,
+    "n_routed_experts": 12,
+    "moe_intermediate_size": 64,
+    "num_hash_layers": 3,
+    "routed_scaling_factor": 2.5,
+}
+
+# ktiny: V4-Flash's head shapes (512-wide heads with a 64-channel rope tail, 128-wide indexer keys, a
+# 128-token window), which the GPU kernels' tiles assume, at a small hidden size and expert count
+_KTINY_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "sliding_window": 128,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "max_position_embeddings": 65536,
+}
+
+# Each preset as its overrides of the released V4-Flash config (tiny-pro's and ktiny's on top of tiny's)
+_PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
+    "tiny": _TINY_OVERRIDES,
+    "tiny-pro": {**_TINY_OVERRIDES, **_TINY_PRO_OVERRIDES},
+    "ktiny": {**_TINY_OVERRIDES, **_KTINY_OVERRIDES},
+    "flash": {},
+}
+PRESETS = tuple(_PRESET_OVERRIDES)
+
 # Inert official keys (§1.1), present in the released config.json files.
 _INERT = {
     "attention_bias": False,
@@ -229,13 +218,11 @@ def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
 
 def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None) -> dict[str, Any]:
     """The config.json dict (official key style) of a preset."""
-    if preset in _TINY_VARIANTS:  # deep copies: callers may edit what they get
-        raw = json.loads(json.dumps({**_TINY, **_TINY_VARIANTS[preset]}))
-    elif preset == "flash":
-        raw = json.loads(json.dumps(_FLASH))
-        num_layers = 6 if num_layers is None else num_layers
-    else:
+    if preset not in _PRESET_OVERRIDES:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
+    raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset]}))  # a deep copy: callers may edit it
+    if preset == "flash" and num_layers is None:
+        num_layers = 6
     if num_layers is not None and num_layers != raw["num_hidden_layers"]:
         _truncate_layers(raw, num_layers)
     raw.update(_INERT)
