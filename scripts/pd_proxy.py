@@ -10,12 +10,15 @@
 Each completion request is sent first to the prefill server with one output token (its engine stores
 the prompt's cache entries before it answers), then unchanged to the decode server, whose answer,
 streamed or not, is the client's: the decode engine loads all but the prompt's last token from the
-store and computes only that one. A prefill server that fails answers the client with its error.
+store and computes only that one. A prefill server that fails answers the client with its error. A
+server that cannot be reached or drops the connection gets the client a 502 naming it; one that drops a
+stream midway ends it with an error event after the last whole event (never half an event).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import httpx
 import uvicorn
@@ -34,24 +37,42 @@ def prefill_body(body: dict) -> dict:
     return body
 
 
+def peer_error(role: str, base: str, exc: httpx.TransportError) -> dict:
+    """An OpenAI-style error body naming the server that failed and how."""
+    return {"error": {"message": f"the {role} server at {base} failed: {type(exc).__name__}: {exc}",
+                      "type": "BadGateway", "code": 502}}
+
+
 def make_app(prefill: str, decode: str, timeout: float = 600.0) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(timeout=timeout)
 
     async def forward(route: str, request: Request) -> Response:
         body = await request.json()
-        first = await client.post(prefill + route, json=prefill_body(body))
+        try:
+            first = await client.post(prefill + route, json=prefill_body(body))
+        except httpx.TransportError as exc:
+            return JSONResponse(peer_error("prefill", prefill, exc), 502)
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
-        if not body.get("stream"):
-            answer = await client.post(decode + route, json=body)
-            return Response(answer.content, answer.status_code, media_type="application/json")
-        upstream = await client.send(client.build_request("POST", decode + route, json=body), stream=True)
+        try:
+            if not body.get("stream"):
+                answer = await client.post(decode + route, json=body)
+                return Response(answer.content, answer.status_code, media_type="application/json")
+            upstream = await client.send(client.build_request("POST", decode + route, json=body), stream=True)
+        except httpx.TransportError as exc:
+            return JSONResponse(peer_error("decode", decode, exc), 502)
 
         async def relay():
+            """The decode server's events, each whole; an error event if it drops the stream."""
+            pending = b""
             try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
+                async for chunk in upstream.aiter_bytes():
+                    *events, pending = (pending + chunk).split(b"\n\n")
+                    if events:
+                        yield b"".join(event + b"\n\n" for event in events)
+            except httpx.TransportError as exc:
+                yield b"data: " + json.dumps(peer_error("decode", decode, exc)).encode() + b"\n\n"
             finally:
                 await upstream.aclose()
 
@@ -66,15 +87,23 @@ def make_app(prefill: str, decode: str, timeout: float = 600.0) -> FastAPI:
     for route in ROUTES:
         app.post(route)(handler(route))
 
+    async def status(base: str) -> int | str:
+        try:
+            return (await client.get(base + "/health")).status_code
+        except httpx.TransportError as exc:
+            return f"unreachable ({type(exc).__name__})"
+
     @app.get("/health")
     async def health() -> Response:
-        answers = [await client.get(base + "/health") for base in (prefill, decode)]
-        ok = all(a.status_code == 200 for a in answers)
-        return JSONResponse({"prefill": answers[0].status_code, "decode": answers[1].status_code}, 200 if ok else 503)
+        answers = {"prefill": await status(prefill), "decode": await status(decode)}
+        return JSONResponse(answers, 200 if all(a == 200 for a in answers.values()) else 503)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        answer = await client.get(decode + "/v1/models")
+        try:
+            answer = await client.get(decode + "/v1/models")
+        except httpx.TransportError as exc:
+            return JSONResponse(peer_error("decode", decode, exc), 502)
         return Response(answer.content, answer.status_code, media_type="application/json")
 
     return app
