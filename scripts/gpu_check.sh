@@ -33,6 +33,8 @@
 #                                      # (MTP=K before either: both engines draft K tokens per step;
 #                                      # FIRST_START=1: each engine started once before, that start reported too)
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
+#   scripts/gpu_check.sh save-caches   # the JIT caches as 15 MiB parts in $LOG_DIR (to carry to the next machine)
+#   scripts/gpu_check.sh restore-caches  # unpack them from CACHE_PARTS (default .devcache) before the first engine
 set -o pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
@@ -153,6 +155,18 @@ case "${1:-unit}" in
       > "$LOG_DIR/$1.log" 2>&1; summary "$LOG_DIR/$1.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
+  save-caches)  # the JIT caches (Triton's for our kernels and vLLM's, DeepGEMM's, TileLang's) as 15 MiB parts
+    # for the next machine, which would compile everything again (gpu-path-flash: cut at 420 s cold, 141 s warm)
+    dirs=()
+    for d in .triton/cache .cache/vllm .tilelang; do [ -d "$HOME/$d" ] && dirs+=("$d"); done
+    (cd "$HOME" && du -sh "${dirs[@]}")
+    tar -C "$HOME" -czf - "${dirs[@]}" | split -b 15M -d - "$LOG_DIR/jit-caches.tgz.part"
+    ls -l "$LOG_DIR"/jit-caches.tgz.part*
+    n=$(ls "$LOG_DIR"/jit-caches.tgz.part* | wc -l)
+    [ "$n" -le 4 ] || echo "$n parts: a device call returns 64 MiB at most; carry fewer caches" ;;
+  restore-caches)  # what save-caches wrote, from CACHE_PARTS (a folder the call carries): every part or none
+    parts=("${CACHE_PARTS:-.devcache}"/jit-caches.tgz.part*)
+    cat "${parts[@]}" | tar -C "$HOME" -xzf - && echo "restored ${#parts[@]} parts" ;;
   *)
     echo "unknown stage $1" >&2; exit 2 ;;
 esac
