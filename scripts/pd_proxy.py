@@ -60,6 +60,10 @@ def make_app(prefill: str, decode: str, timeout: float = 600.0) -> FastAPI:
                 answer = await client.post(decode + route, json=body)
                 return Response(answer.content, answer.status_code, media_type="application/json")
             upstream = await client.send(client.build_request("POST", decode + route, json=body), stream=True)
+            if upstream.status_code != 200:  # an error answer, not a stream
+                content = await upstream.aread()
+                await upstream.aclose()
+                return Response(content, upstream.status_code, media_type=upstream.headers.get("content-type"))
         except httpx.TransportError as exc:
             return JSONResponse(peer_error("decode", decode, exc), 502)
 
@@ -71,12 +75,14 @@ def make_app(prefill: str, decode: str, timeout: float = 600.0) -> FastAPI:
                     *events, pending = (pending + chunk).split(b"\n\n")
                     if events:
                         yield b"".join(event + b"\n\n" for event in events)
+                if pending:  # the stream ended cleanly: whatever followed the last blank line is the server's
+                    yield pending
             except httpx.TransportError as exc:
                 yield b"data: " + json.dumps(peer_error("decode", decode, exc)).encode() + b"\n\n"
             finally:
                 await upstream.aclose()
 
-        return StreamingResponse(relay(), upstream.status_code, media_type="text/event-stream")
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
     def handler(route: str):
         async def handle(request: Request) -> Response:

@@ -17,6 +17,7 @@ from tests.serving.conftest import free_port
 pd_proxy = load_module_by_path(REPO_ROOT / "scripts" / "pd_proxy.py")
 
 COMPLETION = {"choices": [{"text": "x"}]}
+REFUSAL = {"error": {"message": "this request is refused", "code": 400}}
 EVENTS = [b'data: {"n": 0}\n\n', b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"]
 
 
@@ -28,14 +29,20 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[str, dict]:
     return head.split(" ")[1], json.loads(body) if body else {}
 
 
+def json_answer(status: bytes, answer: dict) -> bytes:
+    data = json.dumps(answer).encode()
+    return b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (status, len(data), data)
+
+
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 class Peer:
     """A server on 127.0.0.1 answering each request by the next entry of ``acts`` (the last repeats):
-    "ok" (200: JSON, or the whole event stream when asked to stream), "close" (hang up before
-    answering), "drop" (start the event stream, send one event and half of the next, hang up)."""
+    "ok" (200: JSON, or the whole event stream when asked to stream), "refuse" (400 with a JSON error,
+    as vLLM answers a request it rejects, streamed or not), "close" (hang up before answering), "drop"
+    (start the event stream, send one event and half of the next, hang up)."""
 
     def __init__(self, *acts: str):
         self.acts, self.served = list(acts), 0
@@ -52,10 +59,9 @@ class Peer:
                 self.served += path != "/health"
                 if act == "close":
                     return
-                if not body.get("stream"):
-                    data = json.dumps(COMPLETION if path != "/health" else {}).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(data), data))
+                if act == "refuse" or not body.get("stream"):
+                    ok = (b"200 OK", COMPLETION if path != "/health" else {})
+                    writer.write(json_answer(*(ok if act != "refuse" else (b"400 Bad Request", REFUSAL))))
                     await writer.drain()
                     continue
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -127,3 +133,8 @@ def test_a_stream_dropped_midway_ends_with_an_error_event_after_the_last_whole_o
     first, error = sse_data(text)
     assert first == {"n": 0} and names(error, "decode") and "RemoteProtocolError" in error["error"]["message"]
     assert next_status == 200 and sse_data(next_text) == [{"n": 0}, {"n": 1}, "[DONE]"]
+
+
+def test_a_decode_servers_error_answer_to_a_stream_reaches_the_client_as_it_is():
+    (status, text), = run(Peer("ok"), Peer("refuse"), [STREAM])
+    assert status == 400 and json.loads(text) == REFUSAL
