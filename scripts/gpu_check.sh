@@ -161,9 +161,9 @@ case "${1:-unit}" in
     for d in .triton/cache .cache/vllm .tilelang; do [ -d "$HOME/$d" ] && dirs+=("$d"); done
     (cd "$HOME" && du -sh "${dirs[@]}")
     tar -C "$HOME" -czf - "${dirs[@]}" | split -b 15M -d - "$LOG_DIR/jit-caches.tgz.part"
-    ls -l "$LOG_DIR"/jit-caches.tgz.part*
-    n=$(ls "$LOG_DIR"/jit-caches.tgz.part* | wc -l)
-    [ "$n" -le 4 ] || echo "$n parts: a device call returns 64 MiB at most; carry fewer caches" ;;
+    parts=("$LOG_DIR"/jit-caches.tgz.part*)
+    ls -l "${parts[@]}"
+    [ ${#parts[@]} -le 4 ] || echo "${#parts[@]} parts: a device call returns 64 MiB at most; carry fewer caches" ;;
   restore-caches)  # what save-caches wrote, from CACHE_PARTS (a folder the call carries): every part or none
     parts=("${CACHE_PARTS:-.devcache}"/jit-caches.tgz.part*)
     cat "${parts[@]}" | tar -C "$HOME" -xzf - && echo "restored ${#parts[@]} parts" ;;

@@ -18,6 +18,7 @@ pd_proxy = load_module_by_path(REPO_ROOT / "scripts" / "pd_proxy.py")
 
 COMPLETION = {"choices": [{"text": "x"}]}
 REFUSAL = {"error": {"message": "this request is refused", "code": 400}}
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 EVENTS = [b'data: {"n": 0}\n\n', b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"]
 
 
@@ -59,19 +60,17 @@ class Peer:
                 self.served += path != "/health"
                 if act == "close":
                     return
-                if act == "refuse" or not body.get("stream"):
-                    ok = (b"200 OK", COMPLETION if path != "/health" else {})
-                    writer.write(json_answer(*(ok if act != "refuse" else (b"400 Bad Request", REFUSAL))))
-                    await writer.drain()
-                    continue
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
-                if act == "drop":
-                    writer.write(chunk(EVENTS[0] + EVENTS[1][:9]))
-                    await writer.drain()
-                    return
-                writer.write(b"".join(chunk(e) for e in EVENTS) + chunk(b""))
+                if act == "refuse":
+                    writer.write(json_answer(b"400 Bad Request", REFUSAL))
+                elif not body.get("stream"):
+                    writer.write(json_answer(b"200 OK", COMPLETION if path != "/health" else {}))
+                elif act == "drop":
+                    writer.write(STREAM_HEAD + chunk(EVENTS[0] + EVENTS[1][:9]))
+                else:
+                    writer.write(STREAM_HEAD + b"".join(chunk(e) for e in EVENTS) + chunk(b""))
                 await writer.drain()
+                if act == "drop":
+                    return
         except asyncio.IncompleteReadError:
             pass
         finally:
