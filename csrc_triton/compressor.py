@@ -1,4 +1,4 @@
-"""KV compressor window pooling, Triton (dsv4_architecture.md §5.4; also the indexer's compressor, §5.5).
+"""KV compressor window pooling, Triton (docs/MODEL.md §5.4; also the indexer's compressor, §5.5).
 
 :func:`pool_state_windows` matches :func:`compressor_ref.pool_state_windows`: per entry and channel,
 a softmax over the window's valid slots of the score, weighting the value, the rows read where they
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_cache import _entry_slots
+from csrc_triton.codec import entry_slots
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _compress_windows_kernel(
     e = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channel
     ok = tl.load(valid_ptr + w * s_vn + s * s_vs, mask=s < S, other=0) != 0  # [BS]
     ok = ok & (tl.zeros_like(s) + tl.load(req_ptr + w * s_r) >= 0)  # a window of request -1 reads nothing: 0
-    block, o = _entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, w, s, ok, s_r, 0, s_en, s_es, s_bt0, s_bt1, s_v0,
+    block, o = entry_slots(view_ptr, bt_ptr, req_ptr, entry_ptr, w, s, ok, s_r, 0, s_en, s_es, s_bt0, s_bt1, s_v0,
                             E)  # [BS] where slot s's row sits
     if OVERLAP:
         half = (s >= m).to(tl.int32)  # CSA: slots [0, m) use the A half, [m, 2m) the B half

@@ -1,4 +1,4 @@
-"""KV compressor pooling (dsv4_architecture.md §5.4; also the indexer's key compressor, §5.5 step 1).
+"""KV compressor pooling (docs/MODEL.md §5.4; also the indexer's key compressor, §5.5 step 1).
 
 Each token j contributes a fp32 *state row* ``[a_j | z_j + ape[j mod m]]`` (c*d values each, c = 1
 for HCA, c = 2 for CSA). A compressed entry is a per-channel softmax over its window's scores,

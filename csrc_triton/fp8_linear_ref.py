@@ -1,4 +1,4 @@
-"""FP8 block-scaled linear (dsv4_architecture.md §3.3): the checkpoint's FP8 weights used as stored.
+"""FP8 block-scaled linear (docs/MODEL.md §3.3): the checkpoint's FP8 weights used as stored.
 
 The weight is float8_e4m3fn [N, K] with one float32 scale per 128x128 block [ceil(N/128), ceil(K/128)];
 the activation is quantised per token in 128-wide groups of K, each with its own scale:
@@ -18,8 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-GROUP = 128  # activation group = weight block width
+from csrc_triton.formats import FP8_BLOCK, FP8_MAX
+
+GROUP = FP8_BLOCK  # activation group = weight block width
 MIN_AMAX = 1e-10  # an all-zero group gets a tiny scale instead of 0/0 (vLLM's eps)
 INV_FP8_MAX = 1.0 / FP8_MAX  # rounded to fp32 where it multiplies an fp32 tensor
 

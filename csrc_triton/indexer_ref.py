@@ -1,4 +1,4 @@
-"""Lightning-indexer top-k selection (dsv4_architecture.md §5.5, transformers semantics).
+"""Lightning-indexer top-k selection (docs/MODEL.md §5.5, transformers semantics).
 
 HF semantics: no Hadamard rotation, no FP8/FP4 quantisation, fp32 scores. The indexer keys are
 the ratio-4 overlapping compressor at width ``index_head_dim`` (:mod:`compressor_ref`) followed by

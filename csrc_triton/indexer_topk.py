@@ -1,4 +1,4 @@
-"""Lightning-indexer scores + top-k, in Triton (dsv4_architecture.md §5.5, HF semantics).
+"""Lightning-indexer scores + top-k, in Triton (docs/MODEL.md §5.5, HF semantics).
 
 Matches :func:`indexer_ref.indexer_topk` in two stages:
 
@@ -42,7 +42,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _e4m3_decode, _index_scale, _mode, hardware_e4m3
+from csrc_triton.codec import e4m3_decode, entry_mode, hardware_e4m3, index_scale
 
 # Elements of the fp32 [tokens, entries] score block materialised per chunk (128 MiB), as the reference.
 _CHUNK_ELEMS = 1 << 25
@@ -63,9 +63,9 @@ def _key_tile(k_ptr, bt_ptr, r, t, n, vis, c, c_ok, di, E, s_k0, s_kn, s_kd, s_b
     k_mask = vis[:, None] & c_ok[None, :]
     if FP8:  # [di e4m3 | fp32 scale, little-endian] (kv_pack_ref.pack_index), decoded as kv_cache does
         code = tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0)  # [BN, BDI] uint8
-        scale = _index_scale(row[:, None], di, vis[:, None], s_kd)  # [BN]
+        scale = index_scale(row[:, None], di, vis[:, None], s_kd)  # [BN]
         # e4m3 times a power of two: exact in q's dtype (bf16 has fp32's exponent range)
-        return (_e4m3_decode(code, HW_E4M3) * scale[:, None]).to(DTYPE)  # [BN, BDI]
+        return (e4m3_decode(code, HW_E4M3) * scale[:, None]).to(DTYPE)  # [BN, BDI]
     return tl.load(row[:, None] + c[None, :] * s_kd, mask=k_mask, other=0.0).to(DTYPE)  # [BN, BDI]
 
 
@@ -305,7 +305,7 @@ def indexer_topk_paged(q: Tensor, weights: Tensor, view: Tensor, block_table: Te
     """
     B, _, di = q.shape
     assert view.dim() == 3 and block_table.dim() == 2 and req.shape == (B,), (view.shape, block_table.shape, req.shape)
-    mode, dim, _, _ = _mode(view, fp8)
+    mode, dim, _, _ = entry_mode(view, fp8)
     assert mode in ("raw", "index") and dim == di, (mode, dim, di)
     assert mode == "index" or view.dtype == q.dtype, (view.dtype, q.dtype)
     nv = torch.where(req >= 0, num_visible, 0)  # [B]; a padding row sees nothing: no read, all -1

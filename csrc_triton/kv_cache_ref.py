@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from csrc_triton.kv_pack_ref import main_page_parts, pack_index, pack_main, unpack_index, unpack_main
+from csrc_triton.formats import main_page_parts
+from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
 
 
 def _address(block_table: Tensor, req: Tensor, entry: Tensor, entries_per_block: int) -> tuple[Tensor, Tensor]:

@@ -2,7 +2,7 @@
 
 ``value = apply_rope_tail(rms_norm(x, w, eps), positions, inv_freq)`` stored as entry ``entry`` of
 request ``req`` (``kv_cache_ref.write_entries``): the new token's KV into ``swa`` (``kv_norm``, roped
-at the token's position, dsv4_architecture.md §5.1) and each closed window into ``c4`` / ``c128`` /
+at the token's position, docs/MODEL.md §5.1) and each closed window into ``c4`` / ``c128`` /
 ``indexer`` (``compressor.norm``, roped at the window start, §5.4). The value is rounded to
 ``x.dtype`` after the norm and after the rotation, as the unfused ops return it, then encoded (FP8
 entries) or cast to the view's dtype (raw entries).

@@ -1,4 +1,4 @@
-"""mHC pre / post, Triton (dsv4_architecture.md §4).
+"""mHC pre / post, Triton (docs/MODEL.md §4).
 
 :func:`mhc_pre` matches :func:`mhc_ref.mhc_pre` (it fuses ``_mix_coefficients``, the sigmoids, the
 Sinkhorn projection and the stream collapse) in two launches:
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_cache import _as_stored, _store_values
+from csrc_triton.codec import as_stored, store_values
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -129,11 +129,11 @@ def _mhc_pre_kernel(
     for s in tl.static_range(N):
         xs = tl.load(x_ptr + t * s_xt + s * s_xn + dd * s_xd, mask=d_ok, other=0.0).to(tl.float32)
         y += tl.sum(tl.where(i == s, pre, 0.0), 0) * xs
-    y = _as_stored(y, y_ptr)  # the collapse's own rounding, which the norm sees
+    y = as_stored(y, y_ptr)  # the collapse's own rounding, which the norm sees
     if NORM:
         y = y * tl.rsqrt(tl.sum(y * y, 0) / D + norm_eps)  # lanes past D hold 0
         y = y * tl.load(w_ptr + dd * s_w, mask=d_ok, other=0.0).to(tl.float32)
-    _store_values(y_ptr + t * s_yt + dd * s_yd, y, d_ok, y_ptr.dtype.element_ty == tl.bfloat16)
+    store_values(y_ptr + t * s_yt + dd * s_yd, y, d_ok, y_ptr.dtype.element_ty == tl.bfloat16)
 
 
 @triton.jit

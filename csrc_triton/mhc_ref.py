@@ -1,4 +1,4 @@
-"""mHC: manifold-constrained hyper-connections (dsv4_architecture.md §4).
+"""mHC: manifold-constrained hyper-connections (docs/MODEL.md §4).
 
 The residual is ``n = hc_mult`` streams ``X [T, n, D]``. Before each sub-layer, ``mhc_pre``
 derives from X the collapse weights (pre), the expansion weights (post) and the Sinkhorn-projected

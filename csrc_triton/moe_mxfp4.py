@@ -1,4 +1,4 @@
-"""Routed experts on packed MXFP4 weights, Triton (dsv4_architecture.md §3.3, §6 steps 4-5).
+"""Routed experts on packed MXFP4 weights, Triton (docs/MODEL.md §3.3, §6 steps 4-5).
 
 Matches :func:`moe_mxfp4_ref.moe_experts_mxfp4` (= :func:`routing_ref.moe_experts` on the decoded
 weights) without ever materialising a decoded weight: the codes are decoded in registers.
@@ -48,8 +48,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _as_stored, _store_values
-from csrc_triton.moe_mxfp4_ref import MXFP4_BLOCK
+from csrc_triton.codec import as_stored, store_values
+from csrc_triton.formats import MXFP4_BLOCK
 from csrc_triton.routing import swiglu_clamped_values
 
 
@@ -206,8 +206,8 @@ def _sum_k_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, D, top_k, E, s_st,
     y = tl.load(y_ptr + (t * top_k + j)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
     out = tl.sum(y, 0)  # [BD] fp32
     if SHARED:  # the routed sum as stored, plus the shared expert's output: the unfused add's two roundings
-        out = _as_stored(out, out_ptr) + tl.load(shared_ptr + t * s_st + d, mask=d < D, other=0.0).to(tl.float32)
-    _store_values(out_ptr + t * D + d, out, d < D, out_ptr.dtype.element_ty == tl.bfloat16)
+        out = as_stored(out, out_ptr) + tl.load(shared_ptr + t * s_st + d, mask=d < D, other=0.0).to(tl.float32)
+    store_values(out_ptr + t * D + d, out, d < D, out_ptr.dtype.element_ty == tl.bfloat16)
 
 
 # See sparse_attn.py: the interpreter needs fp32 dot operands (its bf16 matmul is wrong in triton 3.9);

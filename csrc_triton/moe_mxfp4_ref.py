@@ -1,4 +1,4 @@
-"""Routed experts on MXFP4 weights (dsv4_architecture.md §3.3 storage, §6 math).
+"""Routed experts on MXFP4 weights (docs/MODEL.md §3.3 storage, §6 math).
 
 The checkpoint's routed experts are MXFP4: e2m1 codes packed two per byte along the input dim (the
 even element in the low nibble) with one e8m0 scale byte per 1x32 block. This reference decodes the
@@ -15,39 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from csrc_triton.formats import decode_mxfp4
 from csrc_triton.routing_ref import moe_experts
 
-MXFP4_BLOCK = 32
 DECODE_GROUP = 16  # experts decoded to fp32 at a time
-# e2m1 value of each 4-bit code: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa.
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def decode_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
-    """MXFP4 -> float32: ``W[..., o, i] = e2m1(code[..., o, i]) * 2^(scale[..., o, i // 32] - 127)``.
-
-    Args:
-        packed: ``[..., out, in/2]`` uint8 / int8; byte j holds element 2j (low nibble), 2j+1 (high).
-        scale: ``[..., out, in/32]`` e8m0 exponent bytes (uint8 or float8_e8m0fnu; 255 is NaN), or
-            their float32 values (V4-Flash-Base stores power-of-two scales as float32).
-
-    Returns:
-        ``[..., out, in]`` float32 (exact: e2m1 times a power of two).
-    """
-    packed = packed.view(torch.uint8)  # [..., o, in/2]
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)  # [..., o, in]
-    values = E2M1.to(packed.device)[codes.int()]  # [..., o, in]
-    pow2 = scale if scale.dtype == torch.float32 else _e8m0_values(scale.view(torch.uint8))  # [..., o, in/32]
-    blocks = values.unflatten(-1, (-1, MXFP4_BLOCK)) * pow2.unsqueeze(-1)  # [..., o, in/32, 32]
-    return blocks.flatten(-2)  # [..., o, in]
-
-
-def _e8m0_values(exponent: Tensor) -> Tensor:
-    """e8m0 bytes -> float32 ``2^(byte - 127)``; byte 255 is NaN."""
-    exp = exponent.int() - 127
-    return torch.where(exponent == 255, float("nan"), torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp))
-
-
 def moe_experts_mxfp4(
     x: Tensor,
     weights: Tensor,

@@ -1,4 +1,4 @@
-"""RMSNorm, weighted or unweighted, Triton (dsv4_architecture.md §3.1).
+"""RMSNorm, weighted or unweighted, Triton (docs/MODEL.md §3.1).
 
 Matches :func:`norm_ref.rms_norm` (same signature): the mean of squares, rsqrt and the products in fp32
 (the weight upcast), one rounding to ``x.dtype`` at the end (bf16 rounded to nearest even by hand, as
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_cache import _store_values
+from csrc_triton.codec import store_values
 
 # Values one program holds: a V4 hidden row (4096) or several shorter rows (q latent, per head).
 ROW_TILE = 4096
@@ -43,7 +43,7 @@ def _rms_norm_kernel(
     y = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + c * s_w, mask=c < D, other=0.0).to(tl.float32)
-    _store_values(out_ptr + n[:, None] * s_on + c, y, mask, OUT_BF16)
+    store_values(out_ptr + n[:, None] * s_on + c, y, mask, OUT_BF16)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:

@@ -1,4 +1,4 @@
-"""RMSNorm, weighted and unweighted (dsv4_architecture.md §3.1)."""
+"""RMSNorm, weighted and unweighted (docs/MODEL.md §3.1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Attention output projection ``wo_a`` with its inverse RoPE and FP8 activation quantisation in one
-Triton kernel (dsv4_architecture.md §5.6; semantics and oracle: out_proj_ref.rope_out_proj).
+Triton kernel (docs/MODEL.md §5.6; semantics and oracle: out_proj_ref.rope_out_proj).
 
 The unfused path runs the rope kernel, a transpose, then per group vLLM's activation quantiser and
 block-FP8 GEMM: about 20 launches per layer. On the H200 at V4-Flash's wo_a (33.5 MB of FP8 weight:
@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _bf16_bits, _e4m3_decode, _e4m3_encode, hardware_e4m3
+from csrc_triton.codec import bf16_bits, e4m3_decode, e4m3_encode, hardware_e4m3
 
 FP8_MAX = tl.constexpr(448.0)
 INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # fp8_linear_ref's scale factor
@@ -89,7 +89,7 @@ def _derotated_fp8_block(o_ptr, m, m_ok, head, ch0, d, s_ot, s_oh, s_od, cos_tai
         x0, x1 = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))  # interleaved pairs (2i, 2i+1)
         x = tl.reshape(tl.join(x0 * cos + x1 * sin, x1 * cos - x0 * sin), (BLOCK_M, BLOCK_K))  # rotate by -p
         if ROUND_BF16:  # as the unfused path stores the de-rotated output (identity on the bf16 nope values)
-            x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+            x = (bf16_bits(x) << 16).to(tl.float32, bitcast=True)
     # the reference's scale exactly, and an IEEE division: the default fp32 '/' is approximate and
     # would move values across e4m3 rounding boundaries the reference does not cross
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) * INV_FP8_MAX  # [BM] per-token group scale
@@ -121,7 +121,7 @@ def _rope_out_proj_kernel(
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * s_wn + kw[None, :] * s_wk)  # [BN, BK] e4m3, K contiguous
         w_scale = tl.load(ws_ptr + (n // BLOCK_K) * s_sn + (k0 // BLOCK_K) * s_sk)  # [BN]
         if DOT_F32:  # the interpreter, whose fp8 casts round wrongly: e4m3 by hand, exact fp32 products
-            part = tl.dot(_e4m3_decode(_e4m3_encode(v), False), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            part = tl.dot(e4m3_decode(e4m3_encode(v), False), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # round to nearest even, as torch's cast
             part = tl.dot(v.to(tl.float8e4nv), tl.trans(w))
         acc += part * scale[:, None] * w_scale[None, :]
@@ -137,7 +137,7 @@ def _store_fp8_block(q_ptr, qs_ptr, v, scale, g, m, m_ok, k, T_scales, s_qg, s_q
     if HW_CAST:  # round to nearest even with saturation: torch's cast of the clamped values
         codes = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:  # e4m3 by hand: the interpreter's cast rounds wrongly, pre-sm_89 GPUs have none
-        codes = _e4m3_encode(v).to(tl.uint8)
+        codes = e4m3_encode(v).to(tl.uint8)
     tl.store(q_ptr + g * s_qg + m[:, None].to(tl.int64) * s_qt + (k + tl.arange(0, BLOCK_K))[None, :], codes,
              mask=m_ok[:, None])
     tl.store(qs_ptr + g * s_sg + m * s_st + (k // BLOCK_K) * s_sk, tl.where(m_ok, scale, 0.0), mask=m < T_scales)

@@ -1,4 +1,4 @@
-"""Attention output projection ``wo_a`` with its inverse RoPE (dsv4_architecture.md §5.6), FP8 weights.
+"""Attention output projection ``wo_a`` with its inverse RoPE (docs/MODEL.md §5.6), FP8 weights.
 
 The attention output ``o [T, H, d]`` is de-rotated (the rope tail rotated by ``-position``), its heads
 split into G groups of H/G, and each group projected by its own rows of the block-FP8 ``wo_a``:

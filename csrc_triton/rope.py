@@ -1,4 +1,4 @@
-"""Partial interleaved RoPE on the tail channels, Triton (dsv4_architecture.md §3.2, §5.6).
+"""Partial interleaved RoPE on the tail channels, Triton (docs/MODEL.md §3.2, §5.6).
 
 Matches :func:`rope_ref.apply_rope_tail`: the last ``r = 2 * len(inv_freq)`` channels rotate in
 interleaved pairs ``(x[2i], x[2i+1])`` by ``p * f_i`` (``-p`` with ``inverse``), the leading ``d - r``
@@ -10,7 +10,7 @@ nope channels and their tail (one read, one write of each value: the loads of a 
 flight at once), rotates the tail's pairs in fp32 and stores everything; bf16 results are rounded to
 nearest even by hand (the interpreter's cast truncates). Input and output take their own strides on
 two middle axes, so the result can land straight in another layout (``wo_a``'s group-major input,
-model/attention.py). ``_rotate_pairs`` is the rotation, shared with kv_insert.py.
+model/attention.py). ``rotate_pairs`` is the rotation, shared with kv_insert.py.
 
 :func:`norm_rope_tail` (the main query's per-head norm, then its RoPE) is the same kernel with
 ``norm_ref.rms_norm(x, None, eps)`` fused in front: the program norms each head row in registers
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.kv_cache import _round_to_x, _store_values
+from csrc_triton.codec import round_to_x, store_values
 
 # Values one program holds: 4 query heads of V4 (512 channels), 16 indexer heads (128); a decode step's
 # query is then spread over T * 16 programs (it was T * 4 of 16 heads, three dependent passes each).
@@ -42,7 +42,7 @@ def tail_block(r: int) -> int:
 
 
 @triton.jit
-def _rotate_pairs(xt, position, freq_ptr, r, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+def rotate_pairs(xt, position, freq_ptr, r, INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """``xt [BM, BR]`` (fp32, the ``r`` tail channels) with its interleaved pairs ``(2j, 2j + 1)`` rotated
     by ``position * freq[j]`` (``position`` fp32, a scalar or [BM, 1]; the reference's product), by its
     negative with INVERSE: the tail's only arithmetic, so cos / sin are worked out for its pairs alone."""
@@ -75,13 +75,13 @@ def _rope_tail_kernel(
     xt = tl.load(row + k * s_xd, mask=tail_ok, other=0.0).to(tl.float32)  # [BM, BR]
     if NORM:  # rms_norm(x, None, eps), rounded to x's dtype as the unfused op stores it
         inv_rms = tl.rsqrt((tl.sum(x * x, axis=1) + tl.sum(xt * xt, axis=1)) / d + eps)[:, None]
-        x = _round_to_x(x * inv_rms, X_BF16)
-        xt = _round_to_x(xt * inv_rms, X_BF16)
+        x = round_to_x(x * inv_rms, X_BF16)
+        xt = round_to_x(xt * inv_rms, X_BF16)
 
-    y = _rotate_pairs(xt, tl.load(pos_ptr + t).to(tl.float32), freq_ptr, d - nope, INVERSE, BLOCK_M, BLOCK_R)
+    y = rotate_pairs(xt, tl.load(pos_ptr + t).to(tl.float32), freq_ptr, d - nope, INVERSE, BLOCK_M, BLOCK_R)
     out = out_ptr + t * s_ot + a * s_oa + m * s_om
-    _store_values(out + c * s_od, x, nope_ok, X_BF16)  # nope channels exact in x's dtype: stored as loaded
-    _store_values(out + k * s_od, y, tail_ok, X_BF16)
+    store_values(out + c * s_od, x, nope_ok, X_BF16)  # nope channels exact in x's dtype: stored as loaded
+    store_values(out + k * s_od, y, tail_ok, X_BF16)
 
 
 def apply_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False,
@@ -113,7 +113,7 @@ def norm_rope_tail(x: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -
     Returns:
         A new contiguous ``[T, ..., d]`` tensor in ``x.dtype``.
     """
-    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype  # the dtypes _round_to_x rounds to
+    assert x.dtype in (torch.float32, torch.bfloat16), x.dtype  # the dtypes round_to_x rounds to
     return _rope_tail(x, positions, inv_freq, False, eps, None)
 
 

@@ -1,4 +1,4 @@
-"""Partial interleaved RoPE with optional YaRN frequencies (dsv4_architecture.md §3.2, §5.6).
+"""Partial interleaved RoPE with optional YaRN frequencies (docs/MODEL.md §3.2, §5.6).
 
 Only the last ``r`` channels of a head are rotated (layout ``[nope | rope]``), in GPT-J-style
 interleaved pairs ``(x[2i], x[2i+1])``. SWA-only layers use ``rope_theta`` without YaRN; CSA/HCA

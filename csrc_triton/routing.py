@@ -1,4 +1,4 @@
-"""MoE routing, Triton (dsv4_architecture.md §6 steps 1-3).
+"""MoE routing, Triton (docs/MODEL.md §6 steps 1-3).
 
 Matches :func:`routing_ref.route`: ``s = sqrt(softplus(logits))``, ids = the hash table's row (hash
 layers) or the top-k of ``s + bias`` found by k rounds of arg-max in registers (small k: 6 in V4;
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from csrc_triton.routing_ref import _RENORM_EPS
+from csrc_triton.routing_ref import RENORM_EPS
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def route(
     """
     T, E = router_logits.shape
     assert 1 <= top_k <= E, (top_k, E)
-    assert _RENORM_EPS == 1e-20  # the kernel's literal
+    assert RENORM_EPS == 1e-20  # the kernel's literal
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:

@@ -1,4 +1,4 @@
-"""MoE routing and experts (dsv4_architecture.md §6).
+"""MoE routing and experts (docs/MODEL.md §6).
 
 sqrt-softplus scores, bias-corrected top-k (or a frozen token-id -> expert hash table in the first
 ``num_hash_layers`` layers), renormalised weights times ``routed_scaling_factor``, and clamped
@@ -13,7 +13,7 @@ from torch import Tensor
 
 # transformers 5.19 adds this to the renormalisation denominator; the reference adds nothing.
 # Keeping it makes the oracle comparison exact and is harmless (scores are > 0).
-_RENORM_EPS = 1e-20
+RENORM_EPS = 1e-20
 
 
 def route(
@@ -50,7 +50,7 @@ def route(
         ids = torch.topk(sel, top_k, dim=-1, sorted=False).indices  # [T, k]
     weights = scores.gather(1, ids)  # [T, k]
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)  # [T, k]
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)  # [T, k]
     return weights * routed_scaling_factor, ids
 
 

@@ -1,4 +1,4 @@
-"""Sparse shared-KV (MQA) attention with per-head sinks, Triton (dsv4_architecture.md §5.3).
+"""Sparse shared-KV (MQA) attention with per-head sinks, Triton (docs/MODEL.md §5.3).
 
 Matches :mod:`sparse_attn_ref`: keys = values, the sink enters the denominator only, invalid slots
 are never read, a row with no valid key (and a finite or absent sink) returns 0.
@@ -28,9 +28,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from csrc_triton.kv_cache import _main_parts, _main_values, _mode, hardware_e4m3
-from csrc_triton.kv_pack_ref import NOPE_BLOCK
-from csrc_triton.sparse_attn_ref import CacheSource
+from csrc_triton.codec import entry_mode, hardware_e4m3, main_parts, main_values
+from csrc_triton.formats import NOPE_BLOCK
+from csrc_triton.paged import CacheSource
 
 _NOPE_BLOCK = tl.constexpr(NOPE_BLOCK)
 _SPAN_BLOCK = tl.constexpr(256)  # entry numbers scanned per step by _slot_span
@@ -89,8 +89,8 @@ def _attend(q, m_i, l_i, acc, t, r, kv_ptr, bt_ptr, idx_ptr, K, E, d, nope, rope
             row = block + (e % E) * s_kv1  # [BK]
         # Invalid slots are masked out of the loads: whatever they hold (NaN) never enters the math.
         if KIND == "fp8":  # e4m3 x 2^k and bf16: exact in q's dtype, so products equal the gathered path's
-            data, scales = _main_parts(block, e % E, E, nope + 2 * rope, s_kv1)  # entry bytes contiguous: C = s_kv1
-            kv = _main_values(data[:, None], scales[:, None], dd[None, :], ok[:, None], nope, rope,
+            data, scales = main_parts(block, e % E, E, nope + 2 * rope, s_kv1)  # entry bytes contiguous: C = s_kv1
+            kv = main_values(data[:, None], scales[:, None], dd[None, :], ok[:, None], nope, rope,
                               _NOPE_BLOCK, HW_E4M3).to(q.dtype)
         else:
             kv = tl.load(row[:, None] + dd[None, :] * s_kvd, mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -191,7 +191,7 @@ def _source_args(src: CacheSource | None, entries: Tensor | None, q: Tensor) -> 
     view, bt = src.view, src.block_table
     assert view.dim() == 3 and bt.dim() == 2, (view.shape, bt.shape)
     assert entries.dim() == 2 and entries.shape[0] == T and not entries.dtype.is_floating_point, entries.shape
-    mode, dim, nope, rope = _mode(view, src.fp8)
+    mode, dim, nope, rope = entry_mode(view, src.fp8)
     assert mode != "index" and dim == d, (mode, dim, d)
     assert mode == "main" or view.dtype == q.dtype, (view.dtype, q.dtype)
     kind = "fp8" if mode == "main" else "raw"

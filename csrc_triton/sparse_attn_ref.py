@@ -1,4 +1,4 @@
-"""Sparse shared-KV (MQA) attention with per-head sinks (dsv4_architecture.md §5.3).
+"""Sparse shared-KV (MQA) attention with per-head sinks (docs/MODEL.md §5.3).
 
 Each query token t attends over its own key set (window slots followed by the selected / visible
 compressed entries, §5.2); keys and values are the same vectors. :func:`sparse_attn` takes the keys
@@ -9,12 +9,11 @@ number in the two paged caches (``-1`` for an empty slot) and is that gather fol
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import torch
 from torch import Tensor
 
 from csrc_triton.kv_cache_ref import read_entries
+from csrc_triton.paged import CacheSource
 
 # Elements of fp32 temporaries ([t, K, d] keys + [t, H, K] logits) live per chunk (128 MiB).
 _CHUNK_ELEMS = 1 << 25
@@ -59,23 +58,6 @@ def sparse_attn(q: Tensor, kv: Tensor, valid: Tensor, sink: Tensor, scale: float
         denom = p.sum(dim=-1) + torch.exp(sink - m)  # [t, H]
         out[s : s + chunk] = (torch.matmul(p, kc) / denom[..., None]).to(q.dtype)  # [t, H, d]
     return out
-
-
-class CacheSource(NamedTuple):
-    """One paged cache component keys are read from: entry ``e`` of request ``r`` is
-    ``view[block_table[r, e // entries_per_block], e % entries_per_block]`` (kv_cache_ref)."""
-
-    view: Tensor  # [num_blocks, E, C], any strides: raw entries (q's dtype) or uint8 FP8 main entries
-    block_table: Tensor  # [R, max_blocks] int32 / int64
-    entries_per_block: int  # E
-    fp8: Any  # None (raw) or the FP8 main-entry spec (``value_dim``, ``rope_dim``), e.g. layout.Fp8Entry
-    # Scratch shared by the calls of one step, query chunk and layer kind: plans made from the slot
-    # lists' lengths, or, where a source's entries are the same in all those calls, from its entries
-    # (attention/flashmla.py); None: plan per call.
-    plans: dict | None = None
-    # Known on the host, at least the rows a call's requests' spans of named entries take together
-    # (attention/flashmla.py sizes its key buffer by it instead of reading their total); None: unknown.
-    span_rows_bound: int | None = None
 
 
 def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, window: CacheSource,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a random DeepSeek-V4 checkpoint in the official format (config, shards, index, tokenizer).
 
-Presets (dsv4_architecture.md §13.1, §1.1):
+Presets (docs/MODEL.md §13.1, §1.1):
   tiny      the TINY test config (0.6 M params), compress_ratios [0, 4, 128, 4, 0]
   tiny-pro  TINY with V4-Pro's structure: compress_ratios [128, 128, 4, 128, 4, 0], 3 hash layers, 12 experts
   ktiny     the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
@@ -38,12 +38,10 @@ if str(_REPO) not in sys.path:
 
 from vllm_dsv4.config import Dsv4Config  # noqa: E402
 from vllm_dsv4.loader import checkpoint as ckpt_table  # noqa: E402
-from vllm_dsv4.loader.dequant import (  # noqa: E402
-    dequant_fp8_block,
-    dequant_mxfp4,
-    quant_fp8_block,
-    quant_mxfp4,
-)
+from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantize import quant_fp8_block, quant_mxfp4  # noqa: E402
 
 MAX_SHARD_BYTES = 4 * 2**30
 
@@ -139,7 +137,7 @@ _TINY_OVERRIDES: dict[str, Any] = {
     "num_hash_layers": 2,
 }
 
-# V4-Pro's structure at tiny size (dsv4_architecture.md §1.1): no SWA-only layer (C128, C128, then C4 /
+# V4-Pro's structure at tiny size (docs/MODEL.md §1.1): no SWA-only layer (C128, C128, then C4 /
 # C128), three hash layers reaching into both compressed kinds, 2.5 routed scaling, more output groups,
 # and dims that are not powers of two (a hidden size of 3 x 32, 12 experts), as Pro's 7168 and 384 are not.
 _TINY_PRO_OVERRIDES: dict[str, Any] = {

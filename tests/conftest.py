@@ -33,6 +33,11 @@ def load_make_checkpoint() -> ModuleType:
     return load_module_by_path(REPO_ROOT / "scripts" / "make_checkpoint.py", "dsv4_make_checkpoint")
 
 
+def load_quantize() -> ModuleType:
+    """scripts/quantize.py as a module (quant_fp8_block, quant_mxfp4: the checkpoint maker's encoders)."""
+    return load_module_by_path(REPO_ROOT / "scripts" / "quantize.py", "dsv4_quantize")
+
+
 def load_hf_oracle() -> ModuleType:
     """tests/oracle/hf_oracle.py as a module (load_hf_reference, ...)."""
     return load_module_by_path(REPO_ROOT / "tests" / "oracle" / "hf_oracle.py", "dsv4_hf_oracle")

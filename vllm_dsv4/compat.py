@@ -86,8 +86,8 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
+from csrc_triton.formats import FP8_BLOCK
 from vllm_dsv4 import get_logger
-from vllm_dsv4.loader.checkpoint import FP8_BLOCK
 
 logger = get_logger(__name__)
 

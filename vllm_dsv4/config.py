@@ -2,7 +2,7 @@
 
 Reads the *official* (legacy) keys directly -- ``compress_ratios``, ``num_hash_layers``,
 ``qk_rope_head_dim``, ``rope_scaling`` -- never transformers' normalised ``layer_types``
-(whose defaults are shifted by one layer, dsv4_architecture.md §1.2).
+(whose defaults are shifted by one layer, docs/MODEL.md §1.2).
 """
 
 from __future__ import annotations

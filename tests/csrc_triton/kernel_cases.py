@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from csrc_triton import kv_cache_ref
-from csrc_triton.sparse_attn_ref import CacheSource
+from csrc_triton.paged import CacheSource
 
 ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -406,7 +406,10 @@ def out_proj_args(T: int, H: int, d: int, r: int, G: int, R: int, dtype=torch.fl
     """``(o [T, H, d], positions [T], inv_freq [r/2], weight e4m3 [G*R, H/G*d], weight_scale fp32
     [G*R/128, H/G*d/128], G)``: a block-FP8 wo_a drawn so that outputs are of size ~1, block scales
     spread over 2^-2 .. 2^2 so a block read with its neighbour's scale is visibly wrong."""
-    from vllm_dsv4.loader.dequant import e8m0_to_float32, quant_fp8_block
+    from csrc_triton.formats import e8m0_to_float32
+    from tests.conftest import load_quantize
+
+    quant_fp8_block = load_quantize().quant_fp8_block
 
     o, positions, inv_freq, _ = rope_args(T, (H,), d, r, dtype, seed=seed, device=device)
     g = _gen(seed + 1)
@@ -469,7 +472,9 @@ def mxfp4_experts(g: torch.Generator, E: int, out: int, inp: int, gain: float = 
     """``quant_mxfp4`` of normals of std ``gain * inp**-0.5`` times ``2^j`` per 32-block, ``j`` in
     [-3, 2] (scale bytes spread over six exponents): ``(packed [E, out, inp/2] uint8, scale
     [E, out, inp/32] uint8)``, quantised a few experts at a time (V4-Flash's W13 is 256 x 4096 x 4096)."""
-    from vllm_dsv4.loader.dequant import quant_mxfp4
+    from tests.conftest import load_quantize
+
+    quant_mxfp4 = load_quantize().quant_mxfp4
 
     packed = torch.empty(E, out, inp // 2, dtype=torch.uint8, device=device)
     scale = torch.empty(E, out, inp // 32, dtype=torch.uint8, device=device)
@@ -540,14 +545,14 @@ def kv_view(g: torch.Generator, num_blocks: int, E: int, C: int, dtype: torch.dt
 
 def entry_padding(fp8, entry_pad: int) -> int:
     """``entry_pad`` for raw and indexer entries; 0 for FP8 main entries, whose blocks are contiguous
-    (FlashMLA's arrangement, kv_pack_ref.main_page_parts)."""
+    (FlashMLA's arrangement, formats.main_page_parts)."""
     return 0 if fp8 is not None and fp8.rope_dim is not None else entry_pad
 
 
 def entry_parts(view: Tensor, fp8) -> tuple[Tensor, ...]:
     """The ``[num_blocks, E, *]`` views that hold the entries' bytes, in entry order: the view itself,
-    or for FP8 main entries their data and scale parts (kv_pack_ref.main_page_parts)."""
-    from csrc_triton.kv_pack_ref import main_page_parts
+    or for FP8 main entries their data and scale parts (formats.main_page_parts)."""
+    from csrc_triton.formats import main_page_parts
 
     if fp8 is None or fp8.rope_dim is None:
         return (view,)

@@ -1,7 +1,7 @@
 """Edge cases of the csrc_triton references against naive per-token loops written from the spec.
 
 The loops below are deliberately simple (one token / head / entry at a time, float64 where it
-helps) and are transcribed from dsv4_architecture.md, not from the references. The batched
+helps) and are transcribed from docs/MODEL.md, not from the references. The batched
 references must agree with them on the corners the oracle test (tests/oracle) does not reach:
 length 0 and 1, top-k larger than what is visible, nothing visible, all-invalid rows, garbage in
 invalid slots, chunk boundaries, low-precision inputs. Tolerance: 1e-5 absolute (fp32 vs float64).
@@ -19,7 +19,8 @@ from csrc_triton import indexer_ref, sparse_attn_ref
 from csrc_triton.compressor_ref import compress_windows, state_rows
 from csrc_triton.indexer_ref import indexer_topk
 from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
-from csrc_triton.moe_mxfp4_ref import decode_mxfp4, moe_experts_mxfp4
+from csrc_triton.formats import decode_mxfp4
+from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
 from csrc_triton.norm_ref import rms_norm
 from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
 from csrc_triton.routing_ref import moe_experts, moe_experts_every_expert, route, swiglu_clamped
@@ -258,7 +259,10 @@ def test_decode_mxfp4_equals_the_oracle_decode():
 def test_moe_experts_mxfp4_ref_is_moe_experts_on_dequantised_weights():
     """Decoding only the hit experts changes nothing: same result as moe_experts on all of them,
     with skipped ids (E) and an id nobody hit."""
-    from vllm_dsv4.loader.dequant import dequant_mxfp4, quant_mxfp4
+    from tests.conftest import load_quantize
+    from vllm_dsv4.loader.dequant import dequant_mxfp4
+
+    quant_mxfp4 = load_quantize().quant_mxfp4
 
     E, k, D, I, L = 5, 3, 64, 32, 2.0
     w13 = [quant_mxfp4(torch.randn(2 * I, D)) for _ in range(E)]

@@ -1,12 +1,13 @@
 """FP8 cache entries (csrc_triton/kv_pack_ref.py) against the reference model's FP8 simulation of KV
-(dsv4_architecture.md §3.3), written out independently here, and their byte layout."""
+(docs/MODEL.md §3.3), written out independently here, and their byte layout."""
 
 import math
 
 import pytest
 import torch
 
-from csrc_triton.kv_pack_ref import index_entry_bytes, main_entry_bytes, pack_index, pack_main, unpack_index, unpack_main
+from csrc_triton.formats import index_entry_bytes, main_entry_bytes
+from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
 from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.kv.layout import fp8_entries, layer_components
 

@@ -289,7 +289,7 @@ def test_layer_schedule_mismatch_is_named(tiny_ckpt, tmp_path):
 
 # ---- presets and tokenizer ------------------------------------------------------------------
 
-# dsv4_architecture.md §13.1, verbatim.
+# docs/MODEL.md §13.1, verbatim.
 SPEC_TINY = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 4,

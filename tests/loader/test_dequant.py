@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsv4.loader.dequant import (
-    dequant_fp8_block,
-    dequant_mxfp4,
-    e8m0_to_float32,
-    quant_fp8_block,
-    quant_mxfp4,
-)
+from csrc_triton.formats import e8m0_to_float32
+from tests.conftest import load_quantize
+from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
+
+quant_fp8_block, quant_mxfp4 = load_quantize().quant_fp8_block, load_quantize().quant_mxfp4
 
 
 def e4m3(*byte_values: int) -> torch.Tensor:

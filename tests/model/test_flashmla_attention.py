@@ -4,7 +4,7 @@ decode kernel on the caches) and prefill steps (the prefill kernel on ``gather_s
 whose slot-to-buffer mapping is checked on the CPU against the reference's reads).
 
 The GPU cases read FP8 caches in FlashMLA's layout as the model fills them (written by the
-reference writer, kv_pack_ref.main_page_parts): V4-Flash C4 and C128 decode, window-only layers,
+reference writer, formats.main_page_parts): V4-Flash C4 and C128 decode, window-only layers,
 V4-Pro's 128 heads, a prefill-sized batch and a head count FlashMLA pads (16 -> 64). Tolerance:
 kernel_cases.assert_close for bf16 (1e-2 and cosine > 0.9999): both kernels round the softmax
 weights to bf16 before the value product and accumulate in fp32, in different orders.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csrc_triton.sparse_attn_ref import CacheSource
+from csrc_triton.paged import CacheSource
 from tests.csrc_triton.kernel_cases import assert_close, sparse_attn_cached_args
 from vllm_dsv4 import compat
 from vllm_dsv4.attention import flashmla

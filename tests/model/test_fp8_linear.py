@@ -30,16 +30,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from csrc_triton.formats import e8m0_to_float32
 from csrc_triton.fp8_linear_ref import FP8_MAX, GROUP, dequant_act, dequant_weight, fp8_linear, quant_act_fp8
+from tests.conftest import load_quantize
 from tests.csrc_triton.kernel_cases import vllm_config_for
 from tests.loader.test_load import empty_params, stream
 from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.loader.checkpoint import Checkpoint, scale_name
-from vllm_dsv4.loader.dequant import e8m0_to_float32, quant_fp8_block
 from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
 from vllm_dsv4.model.moe import SharedExpert
 from vllm_dsv4.model.parallel import Shard
+
+quant_fp8_block = load_quantize().quant_fp8_block
 
 # Kernel vs our reference with the same activation-scale rule. On the H200, vLLM 0.26 picks FlashInfer's
 # SM90 block-scale GEMM below 32 tokens; it matched neither rule exactly (0.98% relative RMS against the

@@ -2,7 +2,7 @@
 
 ``load_hf_reference(ckpt_dir)`` builds the HF model in fp32 / eager / eval mode from our
 ``config.json`` (legacy keys, folded by ``DeepseekV4Config``), checks that the layer schedule it
-built equals ``compress_ratios`` / ``num_hash_layers`` (dsv4_architecture.md §1.2), renames the
+built equals ``compress_ratios`` / ``num_hash_layers`` (docs/MODEL.md §1.2), renames the
 official tensors to HF's names (§8.2) and dequantizes FP8 / MXFP4 weights with a decoder written
 here from the format definitions (§3.3) -- deliberately independent of vllm_dsv4.loader.dequant.
 

@@ -1,7 +1,7 @@
 """The csrc_triton references against transformers 5.19's DeepSeek-V4 modules, in fp32.
 
 Oracle -> reference link of the test chain (shared/docs/style.md §4). Modules are built from the
-TINY config of dsv4_architecture.md §13.1 with every parameter randomised, including the ones HF
+TINY config of docs/MODEL.md §13.1 with every parameter randomised, including the ones HF
 initialises to zero (sinks, position_bias = ape, hc bases, e_score_correction_bias, tid2eid), and
 16 indexer heads (§13.2). Tolerance: 1e-5 absolute in fp32 (observed errors are ~1e-6 or below;
 they come only from different summation orders).
@@ -31,7 +31,7 @@ ATOL = 1e-5
 T_LONG = 300  # reaches 2 C128 entries and 75 C4 candidates vs top-8 (§13.1)
 YARN = dict(factor=16, original_max_position_embeddings=256, beta_fast=32, beta_slow=1)
 
-# dsv4_architecture.md §13.1 "TINY", official config.json key style (HF folds the legacy keys).
+# docs/MODEL.md §13.1 "TINY", official config.json key style (HF folds the legacy keys).
 TINY = dict(
     vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
     head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=16,

@@ -1,5 +1,5 @@
 """Golden DeepSeek-V4 prompts: our encoder against strings written by hand from the release's format
-(dsv4_architecture.md §10 and the release's ``encoding/encoding_dsv4.py`` rules), never from our code.
+(docs/MODEL.md §10 and the release's ``encoding/encoding_dsv4.py`` rules), never from our code.
 """
 
 import json

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from csrc_triton import sparse_attn
 from csrc_triton.cache_index import global_slots
-from csrc_triton.sparse_attn_ref import CacheSource
+from csrc_triton.paged import CacheSource
 from vllm_dsv4 import compat, get_logger
 
 logger = get_logger(__name__)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_triton.kv_pack_ref import index_entry_bytes, main_entry_bytes
+from csrc_triton.formats import index_entry_bytes, main_entry_bytes
 from vllm_dsv4.config import ConfigError, Dsv4Config
 
 # Tokens per block of the per-token caches. Sliding-window groups free whole blocks, so small

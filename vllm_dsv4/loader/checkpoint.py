@@ -1,6 +1,6 @@
 """The official DeepSeek-V4 checkpoint format: one table of every tensor name, shape and dtype.
 
-``expected_tensors(cfg)`` is the single source of truth (dsv4_architecture.md §8.1) for the
+``expected_tensors(cfg)`` is the single source of truth (docs/MODEL.md §8.1) for the
 loader, the validator and the test-checkpoint maker (scripts/make_checkpoint.py).
 
 Dtypes:
@@ -25,10 +25,9 @@ from typing import Iterator, Sequence
 
 import torch
 
+from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK
 from vllm_dsv4.config import Dsv4Config
 
-FP8_BLOCK = 128
-MXFP4_BLOCK = 32
 MAX_REPORTED_PROBLEMS = 10
 
 INDEX_FILE = "model.safetensors.index.json"

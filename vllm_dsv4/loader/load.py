@@ -10,11 +10,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from csrc_triton.formats import FP8_BLOCK, e8m0_to_float32
 from vllm_dsv4.config import Dsv4Config
-from vllm_dsv4.loader.checkpoint import (
-    FP8_BLOCK, CheckpointError, TensorSpec, expected_tensors, nan_scales, scale_name, validate,
-)
-from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4, e8m0_to_float32
+from vllm_dsv4.loader.checkpoint import CheckpointError, TensorSpec, expected_tensors, nan_scales, scale_name, validate
+from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
 from vllm_dsv4.loader.names import Target, param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
 

@@ -7,7 +7,7 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-from csrc_triton.sparse_attn_ref import CacheSource
+from csrc_triton.paged import CacheSource
 from vllm_dsv4 import compat, ops
 from vllm_dsv4.attention.backend import CacheBackend, CacheStepMetadata
 from vllm_dsv4.kv.layout import Component

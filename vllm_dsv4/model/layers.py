@@ -11,7 +11,8 @@ from torch import nn
 
 from vllm_dsv4 import ops
 from vllm_dsv4.config import ConfigError, Dsv4Config
-from vllm_dsv4.loader.checkpoint import FP8_BLOCK, expected_tensors
+from csrc_triton.formats import FP8_BLOCK
+from vllm_dsv4.loader.checkpoint import expected_tensors
 from vllm_dsv4.loader.names import param_target, sharded_dim
 from vllm_dsv4.model.parallel import Shard
 

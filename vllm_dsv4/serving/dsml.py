@@ -1,6 +1,6 @@
 """Incremental parser for the answer part of a DeepSeek-V4 completion: text, then DSML tool calls.
 
-The format (dsv4_architecture.md §10, the release's ``parse_message_from_completion_text``)::
+The format (docs/MODEL.md §10, the release's ``parse_message_from_completion_text``)::
 
     content\\n\\n<｜DSML｜tool_calls>
     <｜DSML｜invoke name="F">

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 chat encoding: the rules of the release's ``encoding/encoding_dsv4.py`` (dsv4_architecture.md §10).
+"""DeepSeek-V4 chat encoding: the rules of the release's ``encoding/encoding_dsv4.py`` (docs/MODEL.md §10).
 
 A conversation becomes one prompt string::
 
