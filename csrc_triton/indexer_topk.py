@@ -240,7 +240,7 @@ def select_topk(scores: Tensor, num_visible: Tensor, k: int, out: Tensor | None 
 def _topk(scores_of, num_visible: Tensor, Tq: int, N: int, topk: int, device: torch.device) -> Tensor:
     """Stage 2: ``[Tq, topk]`` int64, :func:`select_topk` of ``scores_of(rows)`` (the ``[t, N]`` scores
     of the query slice ``rows``, chunked over Tq as the reference) over ``num_visible`` (``[Tq]`` on
-    ``device``): the picks first, then -1 (attention/flashmla.py relies on it). Shapes depend on the
+    ``device``): the picks first, then -1 (ops/flashmla.py relies on it). Shapes depend on the
     arguments' shapes only."""
     if N == 0:
         return torch.full((Tq, topk), -1, dtype=torch.int64, device=device)

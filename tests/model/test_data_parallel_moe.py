@@ -22,7 +22,8 @@ from vllm_dsv4.loader.checkpoint import Checkpoint
 from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.loader.names import sharded_dim
 from vllm_dsv4.model.moe import MoE
-from vllm_dsv4.model.parallel import DpGroup, Shard, across_dp
+from vllm_dsv4.model.parallel import DpGroup, across_dp
+from vllm_dsv4.shard import Shard
 
 HASHED, SCORED = 0, 2  # layer 0 routes by token hash, layer 2 by score (num_hash_layers = 2)
 

@@ -19,7 +19,7 @@ from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import Checkpoint
 from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.model.moe import Experts
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.shard import Shard
 
 LAYER = 2
 PREFIX = f"layers.{LAYER}.ffn.experts"
@@ -123,7 +123,7 @@ def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's Marlin MoE needs CUDA")
 @pytest.mark.parametrize("T, E", [(1, 256), (16, 256), (300, 256), (64, 128)])
 def test_marlin_moe_matches_the_reference(T, E):
-    """compat.marlin_mxfp4_experts (VLLM_DSV4_MOE=marlin) over V4-Flash-sized experts equals the
+    """vllm_kernels.marlin_mxfp4_experts (VLLM_DSV4_MOE=marlin) over V4-Flash-sized experts equals the
     MXFP4 reference, skipped slots included.
 
     Marlin stores each slot's weighted expert output ``w_j y_j`` in bf16 before the k-sum (vLLM's
@@ -135,10 +135,10 @@ def test_marlin_moe_matches_the_reference(T, E):
     """
     from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4 as reference
     from tests.csrc_triton.kernel_cases import moe_mxfp4_args
-    from vllm_dsv4 import compat
+    from vllm_dsv4.ops import vllm_kernels
 
     x, weights, ids, w13, s13, w2, s2, limit = moe_mxfp4_args(T, 4096, 2048, E, 6, torch.bfloat16, limit=10.0)
-    out = compat.marlin_mxfp4_experts(w13, s13, w2, s2, limit)(x, weights, ids).double().cpu()
+    out = vllm_kernels.marlin_mxfp4_experts(w13, s13, w2, s2, limit)(x, weights, ids).double().cpu()
     ref = reference(x, weights, ids, w13, s13, w2, s2, limit).double().cpu()
     k = ids.shape[1]
     parts = torch.zeros_like(ref)  # sum_j |w_j y_j|, each slot alone (the others skipped: id E)

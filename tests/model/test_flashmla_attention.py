@@ -1,4 +1,4 @@
-"""FlashMLA sparse attention (attention/flashmla.py) against our Triton kernel, its oracle (its
+"""FlashMLA sparse attention (ops/flashmla.py) against our Triton kernel, its oracle (its
 slot-to-cache-index mapping: tests/csrc_triton/test_cache_index_kernel.py), for decode steps (the FP8
 decode kernel on the caches) and prefill steps (the prefill kernel on ``gather_slots``' bf16 buffer,
 whose slot-to-buffer mapping is checked on the CPU against the reference's reads).
@@ -17,9 +17,8 @@ import torch
 
 from csrc_triton.paged import CacheSource
 from tests.csrc_triton.kernel_cases import assert_close, sparse_attn_cached_args
-from vllm_dsv4 import compat
-from vllm_dsv4.attention import flashmla
 from vllm_dsv4.kv.layout import Fp8Entry
+from vllm_dsv4.ops import flashmla, vllm_kernels
 
 V4 = Fp8Entry(512, 64)
 
@@ -61,7 +60,7 @@ CASES = [
 ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
+@pytest.mark.skipif(not torch.cuda.is_available() or vllm_kernels.flashmla_sparse() is None,
                     reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
 @pytest.mark.parametrize("kernel", ["sparse_attn_cached", "sparse_attn_prefill"], ids=["decode", "prefill"])
 @pytest.mark.parametrize("T, H, W, K, E, entries, visible", CASES)
@@ -82,7 +81,7 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible, ker
     assert_close(into, ref, torch.bfloat16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or compat.flashmla_sparse() is None,
+@pytest.mark.skipif(not torch.cuda.is_available() or vllm_kernels.flashmla_sparse() is None,
                     reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
 def test_layers_of_a_kind_share_one_plan():
     """Two C4 layers of a step: other queries, sinks and picks, the same slot-list lengths. Through one

@@ -2,7 +2,7 @@
 
 Chain of trust: exact float64 ``x @ W^T`` of the dequantised weight -> the PyTorch reference
 (csrc_triton/fp8_linear_ref.py, activation quantised per 128-group, CPU) -> vLLM's block-FP8 kernel
-(compat.block_fp8_gemm, GPU). The weight is the same FP8 bytes on every side; only the activation's
+(vllm_kernels.block_fp8_gemm, GPU). The weight is the same FP8 bytes on every side; only the activation's
 rounding to e4m3 and the arithmetic differ.
 
 The FP8 error bound (``fp8_bound``): an activation element x in a group with scale s is stored as
@@ -40,7 +40,7 @@ from vllm_dsv4.loader.checkpoint import Checkpoint, scale_name
 from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
 from vllm_dsv4.model.moe import SharedExpert
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.shard import Shard
 
 quant_fp8_block = load_quantize().quant_fp8_block
 
@@ -199,11 +199,12 @@ def test_auto_out_proj_binds_the_grouped_gemm_where_deepgemm_runs(cpu_ops, monke
     """``ops.OUT_PROJ == "auto"`` on a GPU: wo_a binds DeepGEMM's grouped GEMM (for steps above
     ``OUT_PROJ_FUSED_MAX_TOKENS``) where vLLM has it, one GEMM per group otherwise; ungrouped
     linears bind one GEMM either way."""
-    from vllm_dsv4 import compat, ops
+    from vllm_dsv4 import ops
+    from vllm_dsv4.ops import vllm_kernels
 
     monkeypatch.setattr(ops, "OUT_PROJ", "auto")
     monkeypatch.setattr(ops, "USE_KERNELS", True)
-    monkeypatch.setattr(compat, "has_grouped_fp8_gemm", lambda: deep_gemm)
+    monkeypatch.setattr(vllm_kernels, "has_grouped_fp8_gemm", lambda: deep_gemm)
     grouped = held_linear(2 * 128, 256, seed=24, groups=2)
     assert (grouped.grouped_gemm is not None) == deep_gemm
     assert len(grouped.gemms) == (0 if deep_gemm else 2)
@@ -329,11 +330,11 @@ def test_loader_refuses_a_shard_that_cuts_fp8_blocks(tiny_ckpt):
         load_official_weights(cfg, pair, params, Shard(1, 2))
 
 
-# ---- compat's contract with vLLM's kernels (CPU: the GEMM itself is torch here) -----------------------
+# ---- vllm_kernels' contract with vLLM's kernels (CPU: the GEMM itself is torch here) -----------------------
 
 
 def test_block_fp8_gemm_names_a_weight_it_cannot_take():
-    from vllm_dsv4.compat import block_fp8_gemm
+    from vllm_dsv4.ops.vllm_kernels import block_fp8_gemm
 
     w, s = fp8_weight(200, 256, seed=16)
     with pytest.raises(ValueError, match=r"whole 128-blocks.*\(200, 256\)"):
@@ -342,12 +343,12 @@ def test_block_fp8_gemm_names_a_weight_it_cannot_take():
 
 def test_vllm_kernel_base_runs_on_compat_layer(tiny_ckpt, monkeypatch):
     """vLLM's block-FP8 kernel base class (weight processing, per-128-group activation quantisation,
-    apply) driven through compat's layer object, with a torch GEMM in place of the CUDA one."""
+    apply) driven through vllm_kernels' layer object, with a torch GEMM in place of the CUDA one."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.kernels.linear import Fp8BlockScaledMMLinearKernel, FP8ScaledMMLinearLayerConfig
     from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8Dynamic128Sym, kFp8Static128BlockSym
 
-    from vllm_dsv4 import compat
+    from vllm_dsv4.ops import vllm_kernels
 
     class TorchBlockKernel(Fp8BlockScaledMMLinearKernel):
         @classmethod
@@ -362,12 +363,12 @@ def test_vllm_kernel_base_runs_on_compat_layer(tiny_ckpt, monkeypatch):
             weight_quant_key=kFp8Static128BlockSym, activation_quant_key=kFp8Dynamic128Sym,
             weight_shape=weight_shape, input_dtype=torch.bfloat16, out_dtype=torch.bfloat16))
 
-    monkeypatch.setattr(compat, "_vllm_block_fp8_kernel", pick)
+    monkeypatch.setattr(vllm_kernels, "_vllm_block_fp8_kernel", pick)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # vLLM quantises with its platform's op
     w, s = fp8_weight(384, 1024, seed=17, device=device)
     x = activations(7, 1024, seed=18, device=device)
     with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
-        gemm = compat.block_fp8_gemm(w.clone(), s.clone())
+        gemm = vllm_kernels.block_fp8_gemm(w.clone(), s.clone())
         y = gemm(x)
     assert gemm.kernel == "TorchBlockKernel" and y.dtype == torch.bfloat16
     assert rel_rms(y, fp8_linear(x.float(), w, s)) <= TIGHT_RMS  # vLLM's amax/448 activation scales
@@ -409,7 +410,7 @@ def check_kernel(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Ten
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("name", list(FLASH_SHAPES))
 def test_vllm_block_fp8_kernel_matches_the_reference(vllm_context, name, tokens):
-    from vllm_dsv4.compat import block_fp8_gemm
+    from vllm_dsv4.ops.vllm_kernels import block_fp8_gemm
 
     out_features, in_features = FLASH_SHAPES[name]
     w, s = fp8_weight(out_features, in_features, seed=out_features + in_features, device="cuda")
@@ -421,7 +422,7 @@ def test_vllm_block_fp8_kernel_matches_the_reference(vllm_context, name, tokens)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_vllm_triton_fallback_matches_the_reference(vllm_context, tokens):
-    from vllm_dsv4.compat import triton_block_fp8_gemm
+    from vllm_dsv4.ops.vllm_kernels import triton_block_fp8_gemm
 
     w, s = fp8_weight(*FLASH_SHAPES["wqkv_a"], seed=11, device="cuda")
     x = activations(tokens, FLASH_SHAPES["wqkv_a"][1], seed=12, device="cuda")
@@ -455,10 +456,10 @@ def test_grouped_wo_a_in_fp8_matches_the_reference_per_group(vllm_context, token
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_grouped_wo_a_in_fp8_through_deepgemm_einsum_matches_the_reference(vllm_context, tokens):
     """``VLLM_DSV4_OUT_PROJ=einsum``: our de-rotating quantiser's output through DeepGEMM's grouped
-    GEMM (compat ledger 9), each group against the reference linear of the de-rotated activations."""
+    GEMM (vllm_kernels.py binding 4), each group against the reference linear of the de-rotated activations."""
     from csrc_triton.out_proj import rope_quant_fp8
     from csrc_triton.rope_ref import apply_rope_tail, rope_inv_freq
-    from vllm_dsv4.compat import grouped_fp8_gemm
+    from vllm_dsv4.ops.vllm_kernels import grouped_fp8_gemm
 
     groups, rank, in_features, head_dim = WO_A["groups"], WO_A["rank"], WO_A["in_features"], 512
     heads = groups * in_features // head_dim
@@ -481,7 +482,7 @@ def test_vllm_picks_its_own_block_fp8_kernel_not_our_fallback(tiny_ckpt):
     DeepGEMM or CUTLASS), never our Triton fallback."""
     from vllm.config import set_current_vllm_config
 
-    from vllm_dsv4.compat import block_fp8_gemm
+    from vllm_dsv4.ops.vllm_kernels import block_fp8_gemm
 
     with set_current_vllm_config(vllm_config_for(tiny_ckpt)):
         gemm = block_fp8_gemm(*fp8_weight(*FLASH_SHAPES["wqkv_a"], seed=15, device="cuda"))

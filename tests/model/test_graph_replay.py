@@ -82,10 +82,10 @@ def test_triton_moe_replays_as_eager(experts):
 
 
 def test_marlin_moe_replays_as_eager(experts):
-    from vllm_dsv4 import compat
+    from vllm_dsv4.ops import vllm_kernels
 
     weights, routed = experts
-    marlin = compat.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in weights])
+    marlin = vllm_kernels.marlin_mxfp4_experts(*[t.clone() if isinstance(t, torch.Tensor) else t for t in weights])
     assert_replay_matches_eager(marlin, routed, seeds=(1, 2, 3, 4))
 
 
@@ -127,12 +127,12 @@ def test_dense_moe_replays_as_eager(dtype):
 def test_einsum_out_proj_replays_as_eager():
     """wo_a's einsum route (VLLM_DSV4_OUT_PROJ=auto with DeepGEMM): our quantiser, then the grouped GEMM."""
     from csrc_triton.out_proj import rope_quant_fp8
-    from vllm_dsv4 import compat
+    from vllm_dsv4.ops import vllm_kernels
 
-    if not compat.has_grouped_fp8_gemm():
+    if not vllm_kernels.has_grouped_fp8_gemm():
         pytest.skip("no DeepGEMM grouped FP8 GEMM in this vLLM build or on this device")
     *_, inv_freq, weight, weight_scale, groups = kc.out_proj_args(16, 64, 512, 64, 8, 1024, BF16, device="cuda")
-    gemm = compat.grouped_fp8_gemm(weight, weight_scale, groups)
+    gemm = vllm_kernels.grouped_fp8_gemm(weight, weight_scale, groups)
     assert_replay_matches_eager(
         lambda o, positions: gemm(*rope_quant_fp8(o, positions, inv_freq, groups)),
         lambda seed: kc.out_proj_args(16, 64, 512, 64, 8, 1024, BF16, seed=seed, device="cuda")[:2])
@@ -155,12 +155,12 @@ def test_indexer_topk_replays_as_eager():
 
 
 def test_flashmla_layers_sharing_a_plan_replay_as_eager():
-    """Two C4 layers of a step planned once (attention/flashmla.py): the replay re-plans for the new
+    """Two C4 layers of a step planned once (ops/flashmla.py): the replay re-plans for the new
     slot-list lengths."""
-    from vllm_dsv4 import compat
-    from vllm_dsv4.attention import flashmla
+    from vllm_dsv4.ops import vllm_kernels
+    from vllm_dsv4.ops import flashmla
 
-    if compat.flashmla_sparse() is None:
+    if vllm_kernels.flashmla_sparse() is None:
         pytest.skip("no FlashMLA sparse kernel in this vLLM build or on this device")
 
     def two_layers(q, sink, scale, req, window, window_entries, main, main_entries):
@@ -197,7 +197,7 @@ def test_moe_layer_replays_as_eager(ktiny_ckpt, monkeypatch, backend, layer):
     from vllm_dsv4.model.decoder import finish_loading
     from vllm_dsv4.model.layers import fp8_linears, hold_fp8_linears
     from vllm_dsv4.model.moe import MoE
-    from vllm_dsv4.model.parallel import Shard
+    from vllm_dsv4.shard import Shard
 
     cfg, ckpt = Dsv4Config.from_pretrained(ktiny_ckpt), Checkpoint(ktiny_ckpt)
     prefix = f"layers.{layer}.ffn"

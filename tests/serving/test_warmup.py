@@ -1,12 +1,12 @@
-"""serving/warmup.py's sizes and its DeepGEMM warm-up of our FP8 linears (the dummy steps themselves run
+"""warmup.py's sizes and its DeepGEMM warm-up of our FP8 linears (the dummy steps themselves run
 in tests/e2e: test_generate.py's warm-up test on the CPU, test_gpu_path.py's no-compile test on a GPU)."""
 
 import torch
 
-from vllm_dsv4 import compat
-from vllm_dsv4.compat import BlockFp8Gemm
+from vllm_dsv4 import warmup
 from vllm_dsv4.model.layers import Linear
-from vllm_dsv4.serving import warmup
+from vllm_dsv4.ops import vllm_kernels
+from vllm_dsv4.ops.vllm_kernels import BlockFp8Gemm
 
 
 def test_warm_up_sizes_are_the_powers_of_two_up_to_the_cap_and_the_budget():
@@ -46,7 +46,7 @@ def test_deep_gemm_linears_run_once_per_weight_shape_at_vllms_sizes(monkeypatch)
         asked.append((rows, max_tokens))
         return [1, 3, 64]
 
-    monkeypatch.setattr(compat, "deep_gemm_warmup_sizes", sizes)
+    monkeypatch.setattr(vllm_kernels, "deep_gemm_warmup_sizes", sizes)
     calls = []
     model = torch.nn.Sequential(
         linear(256, 512, "DeepGemmFp8BlockScaledMMKernel", calls),
@@ -62,11 +62,11 @@ def test_deep_gemm_linears_run_once_per_weight_shape_at_vllms_sizes(monkeypatch)
 
 def test_deep_gemm_sizes_follow_vllms_setting(monkeypatch):
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
-    assert compat.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512) == []
+    assert vllm_kernels.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512) == []
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
-    assert compat.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512) == list(range(1, 513))
+    assert vllm_kernels.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512) == list(range(1, 513))
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "relax")  # vLLM's default: where DeepGEMM's choice can change
-    relaxed = compat.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512)
+    relaxed = vllm_kernels.deep_gemm_warmup_sizes(4096, torch.device("cpu"), 512)
     assert {1, 2, 4, 8, 16, 32, 64, 512} <= set(relaxed) <= set(range(1, 513)) and len(relaxed) < 512
 
 
@@ -75,7 +75,7 @@ def test_grouped_wo_a_runs_through_the_attention_output_path_at_vllms_sizes(monk
     quantisation, the grouped GEMM above the fused kernel's sizes), once per shape."""
     from vllm_dsv4.model.attention import Attention
 
-    monkeypatch.setattr(compat, "deep_gemm_warmup_sizes", lambda rows, device, max_tokens: [2, 2048])
+    monkeypatch.setattr(vllm_kernels, "deep_gemm_warmup_sizes", lambda rows, device, max_tokens: [2, 2048])
     calls = []
 
     def attention() -> Attention:

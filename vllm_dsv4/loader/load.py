@@ -15,7 +15,7 @@ from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import CheckpointError, TensorSpec, expected_tensors, nan_scales, scale_name, validate
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
 from vllm_dsv4.loader.names import Target, param_target, sharded_dim
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.shard import Shard
 
 
 def _dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -6,30 +6,28 @@ Per layer kind (§5.7): ``swa`` attends the window only; ``c128`` adds every vis
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from vllm_dsv4 import compat, ops
+from vllm_dsv4 import compat, envs, ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.kv.layout import cache_layer_name, fp8_entries, layer_components
 from vllm_dsv4.model.cache import CacheLayer
 from vllm_dsv4.model.compressor import Compressor, visible_entries
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.shard import Shard
 
 # Queries attended per call, at most: the kernels read keys in place, so there a call takes a whole
 # 8k-token step (each call costs host reads, the spans' sizes, and launches, and each chunk re-decodes
 # the entries its requests' earlier chunks already decoded); the reference path gathers the keys.
-QUERY_CHUNK = int(os.environ.get("VLLM_DSV4_ATTN_QUERY_CHUNK", "8192" if ops.USE_KERNELS else "2048"))
+QUERY_CHUNK = int(envs.ATTN_QUERY_CHUNK.read("8192" if ops.USE_KERNELS else "2048"))
 # Bytes a call may hold per query: its [t, W + K] slot lists live through a handful of int64
 # temporaries (flashmla._spans: ~40 bytes per slot at the peak), the reference path's gathered fp32 keys
 # take 4 * d per slot. vLLM's profile run binds no cache, so it never sees them: the bound keeps them
 # small beside the memory vLLM leaves free (at a 1M-token context a C128 query has 8,320 slots, and
 # 8,192 queries' lists would take ~2.7 GB; bounded, ~3,200 queries per call).
-ATTN_CALL_BYTES = int(os.environ.get("VLLM_DSV4_ATTN_CALL_BYTES", str(1 << 30)))
+ATTN_CALL_BYTES = int(envs.ATTN_CALL_BYTES.read())
 
 
 def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from vllm_dsv4 import compat, ops
+from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
 from vllm_dsv4.model.moe import Experts, MoE
-from vllm_dsv4.model.parallel import Shard, all_reduce, current_shard
-from vllm_dsv4.serving.warmup import warm_up_kernels
+from vllm_dsv4.model.parallel import all_reduce, current_shard
+from vllm_dsv4.shard import Shard
 
 
 class Block(nn.Module):
@@ -46,8 +46,8 @@ class Block(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """vLLM entry point for ``architectures: ["DeepseekV4ForCausalLM"]`` (overrides the in-tree model)."""
 
-    # A runner with this model takes serving/warmup.py's steps (compat.py, ledger 12): where kernels compile
-    # (with the reference ops, VLLM_DSV4_OPS=reference, nothing would)
+    # A runner with this model takes warmup.py's steps (patches.py, patch 4) where kernels compile (with the
+    # reference ops, VLLM_DSV4_OPS=reference, nothing would)
     warms_up_kernels = ops.USE_KERNELS
 
     def __init__(self, *, vllm_config, prefix: str = ""):
@@ -71,7 +71,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         rows = vllm_config.scheduler_config.max_num_batched_tokens if spec is not None and spec.use_eagle() else 0
         self.register_buffer("mtp_inputs", torch.empty(rows, cfg.hc_mult * cfg.hidden_size, dtype=dtype),
                              persistent=False)
-        compat.patch_kernel_warmup(warm_up_kernels)  # our dummy steps before the engine is ready
 
     # What vLLM's MTP proposer shares with the draft: ``target.model.embed_tokens`` and ``target.lm_head``.
     @property

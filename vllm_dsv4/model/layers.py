@@ -14,7 +14,7 @@ from vllm_dsv4.config import ConfigError, Dsv4Config
 from csrc_triton.formats import FP8_BLOCK
 from vllm_dsv4.loader.checkpoint import expected_tensors
 from vllm_dsv4.loader.names import param_target, sharded_dim
-from vllm_dsv4.model.parallel import Shard
+from vllm_dsv4.shard import Shard
 
 
 class Linear(nn.Module):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_dsv4 import compat, ops
+from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_linear, fp32_param
-from vllm_dsv4.model.parallel import DpGroup, Shard, across_dp
+from vllm_dsv4.model.parallel import DpGroup, across_dp
+from vllm_dsv4.ops import vllm_kernels
+from vllm_dsv4.shard import Shard
 
 
 class Gate(nn.Module):
@@ -85,7 +87,7 @@ class Experts(nn.Module):
         self.narrow_scales = all(int(s.max()) <= 128 for s in (self.w13_scale, self.w2_scale) if s.numel())
         if ops.MOE_BACKEND != "marlin":
             return
-        self.marlin = compat.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
+        self.marlin = vllm_kernels.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
                                                   self.w2_scale.data, self.limit)
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
             getattr(self, name).data = torch.empty(0, dtype=torch.uint8, device=self.w13.device)

@@ -19,7 +19,8 @@ from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.decoder import Block, finish_loading
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperHead
-from vllm_dsv4.model.parallel import Shard, current_shard
+from vllm_dsv4.model.parallel import current_shard
+from vllm_dsv4.shard import Shard
 
 
 class MTPModule(Block):

@@ -21,6 +21,7 @@ import importlib.metadata
 import os
 import sys
 
+from vllm_dsv4 import envs
 from vllm_dsv4.serving import SERVE_DEFAULTS
 
 PLUGIN = "vllm_dsv4"
@@ -70,8 +71,8 @@ def plan(argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str,
         unknown = [p for p in plugins if p not in known]
         if unknown:
             raise SystemExit(f"vllm-dsv4: unknown plugin(s) {unknown}; installed: {sorted(known)}")
-        listed = [p for p in environ.get("VLLM_PLUGINS", "").split(",") if p]
-        env["VLLM_PLUGINS"] = ",".join(dict.fromkeys(listed + plugins))
+        listed = [p for p in environ.get(envs.PLUGINS.name, "").split(",") if p]
+        env[envs.PLUGINS.name] = ",".join(dict.fromkeys(listed + plugins))
     use_defaults = NO_DEFAULTS not in argv
     argv = [a for a in argv if a != NO_DEFAULTS]
     if use_defaults and PLUGIN in plugins and argv[:1] == ["serve"]:

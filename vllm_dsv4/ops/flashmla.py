@@ -1,4 +1,4 @@
-"""Sparse attention through FlashMLA's FP8 sparse decode kernel (vLLM's vendored copy, compat ledger 8).
+"""Sparse attention through FlashMLA's FP8 sparse decode kernel (vLLM's vendored copy, vllm_kernels.py binding 3).
 
 Same arguments and semantics as ``csrc_triton.sparse_attn.sparse_attn_cached``: query t attends the
 window entries then the compressed entries of its request, keys = values, the per-head sink in the
@@ -35,10 +35,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from csrc_triton import sparse_attn
+from csrc_triton import kv_cache, kv_cache_ref, sparse_attn
 from csrc_triton.cache_index import global_slots
 from csrc_triton.paged import CacheSource
-from vllm_dsv4 import compat, get_logger
+from vllm_dsv4 import get_logger
+from vllm_dsv4.ops import vllm_kernels
 
 logger = get_logger(__name__)
 
@@ -65,7 +66,7 @@ def _misfit(src: CacheSource) -> str | None:
 
 def why_not(q: Tensor, window: CacheSource, main: CacheSource | None) -> str | None:
     """Why FlashMLA cannot run this call (the Triton kernel does), or None when it can."""
-    if compat.flashmla_sparse() is None:
+    if vllm_kernels.flashmla_sparse() is None:
         return "no FlashMLA sparse kernel in this vLLM build or on this device"
     if not q.is_cuda or q.dtype != torch.bfloat16 or q.shape[-1] != HEAD_DIM:
         return f"queries {q.dtype} of dim {q.shape[-1]} (FlashMLA takes bf16, 512)"
@@ -136,7 +137,7 @@ def sparse_attn_cached(q: Tensor, sink: Tensor, scale: float, req: Tensor, windo
     if reason:
         _log_fallback(reason)
         return sparse_attn.sparse_attn_cached(q, sink, scale, req, window, window_entries, main, main_entries, out)
-    flashmla = compat.flashmla_sparse()
+    flashmla = vllm_kernels.flashmla_sparse()
     T, H, d = q.shape
     q_in, sink_in = _padded_queries(q, sink)
     heads = q_in.shape[1]
@@ -175,10 +176,10 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
     -1 (an empty slot, or ``req[t] < 0``). Per cache and request, ``kv`` holds the span from the lowest
     to the highest entry the request's queries name, once. A source given with ``plans`` names the same
     entries in every call sharing them (model/attention.py: the window, and C128's visible entries):
-    its spans, which cost a host read, are worked out by the first such call and kept there.
+    its spans, which cost a host read, are worked out by the first such call and kept there. Entries
+    are decoded by the Triton kernel on the GPU (where ops picks this module), by its reference on CPU
+    tensors.
     """
-    from vllm_dsv4 import ops  # not at import: ops imports this module
-
     pieces, indices, offset = [], [], 0
     for place, (src, entries) in enumerate(sources):
         key = ("gathered spans", place)
@@ -188,8 +189,9 @@ def gather_slots(req: Tensor, sources: list[tuple[CacheSource, Tensor]], dtype: 
             if src.plans is not None:
                 src.plans[key] = spans
         if spans.count:
-            pieces.append(ops.read_entries(src.view, src.block_table, spans.req, spans.entry, src.entries_per_block,
-                                           src.fp8, dtype))
+            read_entries = kv_cache.read_entries if src.view.is_cuda else kv_cache_ref.read_entries
+            pieces.append(read_entries(src.view, src.block_table, spans.req, spans.entry, src.entries_per_block,
+                                       src.fp8, dtype))
         indices.append(spans.indices)
         offset += spans.count
     if not pieces:
@@ -250,6 +252,6 @@ def sparse_attn_prefill(q: Tensor, sink: Tensor, scale: float, req: Tensor, wind
     indices = torch.nn.functional.pad(indices, (0, width - indices.shape[1]), value=-1)
     q_in, sink_in = _padded_queries(q, sink)
     buffer = _kernel_out(out, q, q_in.shape[1])  # [T, heads, d]
-    compat.flashmla_sparse().prefill(q=q_in, kv=kv.unsqueeze(1), indices=indices.unsqueeze(1), sm_scale=scale,
+    vllm_kernels.flashmla_sparse().prefill(q=q_in, kv=kv.unsqueeze(1), indices=indices.unsqueeze(1), sm_scale=scale,
                                      d_v=d, attn_sink=sink_in, out=buffer)
     return _returned(buffer, out, H)

