@@ -7,13 +7,35 @@ Reads the *official* (legacy) keys directly -- ``compress_ratios``, ``num_hash_l
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-SWA, C4, C128 = "swa", "c4", "c128"
-_KIND_OF_RATIO = {0: SWA, 1: SWA, 4: C4, 128: C128}
+
+class LayerKind(enum.Enum):
+    """What a layer attends besides its sliding window (§5.7), named as its compressed cache:
+    ``swa`` nothing, ``c4`` the C4 entries its indexer picks, ``c128`` every visible C128 entry."""
+
+    SWA = "swa"
+    C4 = "c4"
+    C128 = "c128"
+
+    @property
+    def ratio(self) -> int:
+        """Tokens pooled into one compressed entry (``compress_ratios``); 0 for ``swa``."""
+        return {LayerKind.SWA: 0, LayerKind.C4: 4, LayerKind.C128: 128}[self]
+
+    @property
+    def overlap(self) -> int:
+        """Entries' worth of tokens one compressor window spans (the reference's ``coff``): C4's
+        windows overlap, each also pooling the previous entry's tokens (2); C128's do not (1) (§5.4)."""
+        return 2 if self is LayerKind.C4 else 1
+
+
+# compress_ratios values -> layer kind (1 is also sliding-window only)
+_KIND_OF_RATIO = {0: LayerKind.SWA, 1: LayerKind.SWA, 4: LayerKind.C4, 128: LayerKind.C128}
 
 
 class ConfigError(ValueError):
@@ -74,29 +96,14 @@ class Dsv4Config:
     expert_dtype: str
     quantized: bool
 
-    @property
-    def layer_kinds(self) -> tuple[str, ...]:
-        """``swa`` / ``c4`` / ``c128`` for each main layer (the MTP entries are dropped)."""
-        return tuple(_KIND_OF_RATIO[r] for r in self.compress_ratios[: self.num_hidden_layers])
-
-    def compress_ratio(self, layer: int) -> int:
-        """0 for sliding-window-only layers, else 4 or 128. Layer ``num_hidden_layers`` is MTP."""
-        r = self.compress_ratios[layer]
-        return 0 if r <= 1 else r
+    def layer_kind(self, layer: int) -> LayerKind:
+        """The kind of layer ``layer``; layer ``num_hidden_layers + k`` is MTP module k."""
+        return _KIND_OF_RATIO[self.compress_ratios[layer]]
 
     @property
     def mxfp4_experts(self) -> bool:
         """The checkpoint stores routed experts as MXFP4 (e2m1 codes + an e8m0 scale per 1x32 block)."""
         return self.quantized and self.expert_dtype == "fp4"
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
-    @property
-    def index_rope_head_dim(self) -> int:
-        # The indexer rotates the same number of trailing dims as the main head (§5.5).
-        return self.qk_rope_head_dim
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Dsv4Config":

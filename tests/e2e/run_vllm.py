@@ -126,7 +126,7 @@ def poison_kv_caches(worker) -> int:
     """Fills every page of the model's caches with finite garbage (bytes 0x5A: 1.5e16 in bf16, 2.4e-14
     in fp32, 20 as e4m3 values or 1.5e16 as their fp32 scales), as pages left by other requests look to
     a new one; returns how many cache tensors it filled. Called through ``collective_rpc``."""
-    from vllm_dsv4.model.cache import CacheLayer
+    from vllm_dsv4.kv.layer import CacheLayer
 
     storages = {}
     for layer in worker.model_runner.get_model().modules():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import Dsv4Config, LayerKind
 from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
@@ -43,8 +43,8 @@ def rows_read_after(name: str, position: int, window: int) -> set[int]:
 
 @pytest.mark.parametrize("name", ["swa", "c4_state", "indexer_state", "c128_state"])
 def test_resume_start_is_the_first_row_read_again(name):
-    ratio = 128 if name.startswith("c128") else 4 if name != "swa" else 0
-    comp = layer_components(CFG, ratio, torch.float32, CHUNK)[name]
+    kind = LayerKind.C128 if name.startswith("c128") else LayerKind.C4 if name != "swa" else LayerKind.SWA
+    comp = layer_components(CFG, kind, torch.float32, CHUNK)[name]
     for position in range(0, 700):
         expected = min(rows_read_after(name, position, CFG.sliding_window), default=position)
         assert comp.resume_start(position) == expected, position
@@ -52,7 +52,8 @@ def test_resume_start_is_the_first_row_read_again(name):
 
 def groups() -> list[Group]:
     """The tiny model's groups: one per (block size, window) as vLLM forms them."""
-    comps = {**layer_components(CFG, 4, torch.float32, CHUNK), **layer_components(CFG, 128, torch.float32, CHUNK)}
+    comps = {**layer_components(CFG, LayerKind.C4, torch.float32, CHUNK),
+             **layer_components(CFG, LayerKind.C128, torch.float32, CHUNK)}
     members = {}
     for name, c in comps.items():
         members.setdefault((c.block_tokens, c.window_tokens), []).append((f"layers.0.attn.{name}_cache", c))

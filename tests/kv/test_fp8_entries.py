@@ -8,7 +8,7 @@ import torch
 
 from csrc_triton.formats import index_entry_bytes, main_entry_bytes
 from csrc_triton.kv_pack_ref import pack_index, pack_main, unpack_index, unpack_main
-from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.config import ConfigError, Dsv4Config, LayerKind
 from vllm_dsv4.kv.layout import fp8_entries, layer_components
 
 
@@ -95,7 +95,7 @@ def test_kv_cache_dtype_choice(make_checkpoint_module):
     assert not fp8_entries("auto") and fp8_entries("fp8") and fp8_entries("fp8_ds_mla")
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'"):
         fp8_entries("int8")
-    comps = layer_components(cfg, 4, torch.bfloat16, 256, fp8=True)
+    comps = layer_components(cfg, LayerKind.C4, torch.bfloat16, 256, fp8=True)
     assert {n: c.entry_bytes for n, c in comps.items()} == {
         "swa": 584, "c4": 584, "indexer": 132, "c4_state": 2 * 2 * 512 * 4, "indexer_state": 2 * 2 * 128 * 4}  # [kv | score], 2 windows, fp32
     assert comps["c4"].page_bytes == 64 * 584

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import Dsv4Config, LayerKind
 from vllm_dsv4.kv.layout import layer_components
 from vllm_dsv4.kv.spec import component_spec
 
@@ -26,16 +26,16 @@ def flash_cfg():
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_vllm_spec_page_size_equals_layout(flash_cfg, ratio, fp8):
-    for comp in layer_components(flash_cfg, ratio, torch.bfloat16, 256, fp8).values():
+@pytest.mark.parametrize("kind", list(LayerKind))
+def test_vllm_spec_page_size_equals_layout(flash_cfg, kind, fp8):
+    for comp in layer_components(flash_cfg, kind, torch.bfloat16, 256, fp8).values():
         assert component_spec(comp).page_size_bytes == comp.page_bytes, comp.name
 
 
 def test_flash_pages_match_hand_computed_values(flash_cfg):
     """bf16 512-wide entries; 64 C4 entries / 2 C128 entries per 256-token block; fp32 states."""
-    c4 = layer_components(flash_cfg, 4, torch.bfloat16, 256)
-    c128 = layer_components(flash_cfg, 128, torch.bfloat16, 256)
+    c4 = layer_components(flash_cfg, LayerKind.C4, torch.bfloat16, 256)
+    c128 = layer_components(flash_cfg, LayerKind.C128, torch.bfloat16, 256)
     assert c4["swa"].page_bytes == 64 * 512 * 2
     assert c4["c4"].page_bytes == 64 * 512 * 2
     assert c4["indexer"].page_bytes == 64 * 128 * 2
@@ -43,7 +43,7 @@ def test_flash_pages_match_hand_computed_values(flash_cfg):
     assert c4["indexer_state"].page_bytes == 4 * (2 * 2 * 128) * 4
     assert c128["c128"].page_bytes == 2 * 512 * 2
     assert c128["c128_state"].page_bytes == 8 * (2 * 512) * 4
-    assert set(layer_components(flash_cfg, 0, torch.bfloat16, 256)) == {"swa"}
+    assert set(layer_components(flash_cfg, LayerKind.SWA, torch.bfloat16, 256)) == {"swa"}
 
 
 def test_architecture_doc_embeds_current_table():

@@ -1,4 +1,4 @@
-"""What every cache group's builder shares within a step (attention/backend.py): the token -> request
+"""What every cache group's builder shares within a step (kv/metadata.py): the token -> request
 map, the step's plans and its other fields."""
 
 import copy
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_dsv4.attention.backend import CacheMetadataBuilder, TokenRequests
+from vllm_dsv4.config import LayerKind
+from vllm_dsv4.kv.metadata import CacheMetadataBuilder, TokenRequests
 
 
 def brute_force(query_lens: list[int], num_tokens: int) -> list[int]:
@@ -59,19 +60,20 @@ def _step(query_lens: list[int]):
 
 def test_cache_groups_of_one_step_share_its_plans_and_a_new_step_or_a_draft_gets_its_own():
     """One plan per step and layer kind, whatever the number of cache groups: the groups' builders
-    (vLLM splits the layers' caches into many groups) hand out one plans dict per step; the next step,
+    (vLLM splits the layers' caches into many groups) hand out one plan per step; the next step,
     and a draft step (vLLM's proposer reuses its metadata object across draft steps), start empty."""
     groups = [_builder() for _ in range(3)]
     step = _step([1, 1, 1])
     first = [b.build(0, copy.copy(step)) for b in groups]
-    first[0].once("plan", lambda: "made by group 0")
-    assert all(md.plans is first[0].plans for md in first)
-    assert first[2].once("plan", lambda: "made again") == "made by group 0"
+    first[0].plan.closed_windows.once(LayerKind.C4, lambda: "made by group 0")
+    assert all(md.plan is first[0].plan for md in first)
+    assert first[2].plan.closed_windows.once(LayerKind.C4, lambda: "made again") == "made by group 0"
     draft = groups[1].build(0, copy.copy(step), fast_build=True)
-    assert draft.plans is not first[0].plans and not draft.plans
+    assert draft.plan is not first[0].plan and not draft.plan.closed_windows
     step = _step([1, 1, 1])
     nxt = [b.build(0, copy.copy(step)) for b in groups]
-    assert nxt[0].plans is not first[0].plans and not nxt[0].plans and all(md.plans is nxt[0].plans for md in nxt)
+    assert nxt[0].plan is not first[0].plan and not nxt[0].plan.closed_windows
+    assert all(md.plan is nxt[0].plan for md in nxt)
 
 
 def test_cache_groups_of_one_step_share_its_fields_and_a_new_step_has_its_own():

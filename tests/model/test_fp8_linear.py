@@ -35,7 +35,7 @@ from csrc_triton.fp8_linear_ref import FP8_MAX, GROUP, dequant_act, dequant_weig
 from tests.conftest import load_quantize
 from tests.csrc_triton.kernel_cases import vllm_config_for
 from tests.loader.test_load import empty_params, stream
-from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.config import ConfigError, Dsv4Config, LayerKind
 from vllm_dsv4.loader.checkpoint import Checkpoint, scale_name
 from vllm_dsv4.loader.load import load_official_weights
 from vllm_dsv4.model.layers import Linear, fp8_linears, hold_fp8_linears
@@ -261,7 +261,7 @@ def test_gpu_holds_every_whole_block_fp8_linear_but_experts(ktiny_cfg):
         a, f = f"{block}.attn.", f"{block}.ffn.shared_experts."
         want |= {f"{a}{w}.weight": 1 for w in ("wqkv_a", "wq_b", "wo_b")} | {f"{a}wo_a.weight": cfg.o_groups}
         want |= {f"{f}{w}.weight": 1 for w in ("w13", "w2")}
-        if cfg.compress_ratio(layer) == 4:
+        if cfg.layer_kind(layer) is LayerKind.C4:
             want[f"{a}indexer.wq_b.weight"] = 1
     assert fp8_linears(cfg, on_gpu=True) == want
     assert fp8_linears(cfg, on_gpu=False) == {}  # the CPU path dequantises everything

@@ -164,9 +164,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.all_token_ids
 
         def window_ends(boundary: int):
-            # names are "<dir>/<offset>-<hash>"; the hash must be of this request's tokens
             for name in self.store.list(r.keys.window_dir(tokens, boundary)):
-                end = boundary + int(name.rsplit("/", 1)[1].split("-", 1)[0])
+                end = PrefixKeys.window_end(boundary, name)  # the key's hash must be of this request's tokens
                 if end <= len(tokens) and r.keys.window_key(tokens, end) == name and self.store.check(name):
                     yield end
 

@@ -135,6 +135,13 @@ class PrefixKeys:
         offset = end - whole * self.chunk
         return f"{base.hex()}/{offset}-{_hash(base + b'window', tokens[whole * self.chunk:end]).hex()}"
 
+    @staticmethod
+    def window_end(boundary: int, key: str) -> int:
+        """The resume point of a window entry's ``key`` listed in ``window_dir(tokens, boundary)``: the
+        boundary plus the key's ``<offset>``. Whether the entry is of these tokens, only comparing the
+        key with ``window_key(tokens, end)`` says."""
+        return boundary + int(key.rsplit("/", 1)[1].split("-", 1)[0])
+
     def _chain(self, tokens: Sequence[int], chunks: int) -> bytes:
         if not self.chain:
             self.chain.append(hashlib.blake2b(self.salt, digest_size=16).digest())

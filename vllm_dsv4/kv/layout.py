@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from csrc_triton.formats import index_entry_bytes, main_entry_bytes
-from vllm_dsv4.config import ConfigError, Dsv4Config
+from vllm_dsv4.config import ConfigError, Dsv4Config, LayerKind
 
 # Tokens per block of the per-token caches. Sliding-window groups free whole blocks, so small
 # blocks keep the resident window tight; 4 and 8 follow vLLM's in-tree choice for the states.
@@ -94,10 +94,9 @@ class Component:
         return max(0, position // ratio * ratio - (self.window_tokens - ratio))
 
 
-def state_elems(ratio: int, head_dim: int) -> int:
-    """A state row is ``[kv | score]``, each ``coff * head_dim`` wide (coff 2 when windows overlap)."""
-    coff = 2 if ratio == 4 else 1
-    return 2 * coff * head_dim
+def state_elems(kind: LayerKind, head_dim: int) -> int:
+    """A state row is ``[kv | score]``, each ``kind.overlap * head_dim`` wide."""
+    return 2 * kind.overlap * head_dim
 
 
 def _entry(dim: int, kv_dtype: torch.dtype, fp8: Fp8Entry | None) -> dict:
@@ -107,30 +106,30 @@ def _entry(dim: int, kv_dtype: torch.dtype, fp8: Fp8Entry | None) -> dict:
 
 
 def layer_components(
-    cfg: Dsv4Config, ratio: int, kv_dtype: torch.dtype, compressed_block_tokens: int, fp8: bool = False
+    cfg: Dsv4Config, kind: LayerKind, kv_dtype: torch.dtype, compressed_block_tokens: int, fp8: bool = False
 ) -> dict[str, Component]:
-    """Every cache component a layer of compress ratio ``ratio`` (0, 4 or 128) owns. With ``fp8``
-    the main KV and indexer keys are FP8 entries; compressor states stay fp32 either way."""
+    """Every cache component a layer of ``kind`` owns. With ``fp8`` the main KV and indexer keys are
+    FP8 entries; compressor states stay fp32 either way."""
     main_fp8 = Fp8Entry(cfg.head_dim, cfg.qk_rope_head_dim) if fp8 else None
     comps = {"swa": Component("swa", tokens_per_entry=1, block_tokens=SWA_BLOCK_TOKENS,
                               window_tokens=cfg.sliding_window, **_entry(cfg.head_dim, kv_dtype, main_fp8))}
-    if ratio == 0:
+    if kind is LayerKind.SWA:
         return comps
-    main = "c4" if ratio == 4 else "c128"
-    state_block = C4_STATE_BLOCK_TOKENS if ratio == 4 else C128_STATE_BLOCK_TOKENS
-    state_window = 2 * ratio if ratio == 4 else ratio
+    main, ratio = kind.value, kind.ratio
+    state_block = C4_STATE_BLOCK_TOKENS if kind is LayerKind.C4 else C128_STATE_BLOCK_TOKENS
+    state_window = kind.overlap * ratio  # the open window, and for C4 the previous one it overlaps
     comps[main] = Component(main, tokens_per_entry=ratio, block_tokens=compressed_block_tokens,
                             **_entry(cfg.head_dim, kv_dtype, main_fp8))
     comps[f"{main}_state"] = Component(
-        f"{main}_state", state_elems(ratio, cfg.head_dim), torch.float32, 1, state_block, state_window, pool_ratio=ratio
+        f"{main}_state", state_elems(kind, cfg.head_dim), torch.float32, 1, state_block, state_window, pool_ratio=ratio
     )
-    if ratio == 4:
+    if kind is LayerKind.C4:
         index_fp8 = Fp8Entry(cfg.index_head_dim, None) if fp8 else None
-        comps["indexer"] = Component("indexer", tokens_per_entry=4, block_tokens=compressed_block_tokens,
+        comps["indexer"] = Component("indexer", tokens_per_entry=ratio, block_tokens=compressed_block_tokens,
                                      **_entry(cfg.index_head_dim, kv_dtype, index_fp8))
         comps["indexer_state"] = Component(
-            "indexer_state", state_elems(4, cfg.index_head_dim), torch.float32, 1, state_block, state_window,
-            pool_ratio=4,
+            "indexer_state", state_elems(kind, cfg.index_head_dim), torch.float32, 1, state_block, state_window,
+            pool_ratio=ratio,
         )
     return comps
 
@@ -143,8 +142,12 @@ def cache_layer_name(prefix: str, component: str) -> str:
 def component_of_layer(cfg: Dsv4Config, layer_name: str, block_tokens: int) -> Component:
     """The component a cache layer named by :func:`cache_layer_name` holds (dtype-independent fields)."""
     name = layer_name.rsplit(".", 1)[-1].removesuffix("_cache")
-    ratio = 128 if name.startswith("c128") else 4 if name.startswith(("c4", "indexer")) else 0
-    components = layer_components(cfg, ratio, torch.float32, block_tokens)
+    kind = LayerKind.SWA
+    if name.startswith("c128"):
+        kind = LayerKind.C128
+    elif name.startswith(("c4", "indexer")):
+        kind = LayerKind.C4
+    components = layer_components(cfg, kind, torch.float32, block_tokens)
     if name not in components:
         raise ConfigError(f"{layer_name!r} is not a DeepSeek-V4 cache layer")
     return components[name]
@@ -153,17 +156,17 @@ def component_of_layer(cfg: Dsv4Config, layer_name: str, block_tokens: int) -> C
 def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tokens: int = 256,
                     fp8: bool = False) -> str:
     """Markdown table of every component's page (docs/ARCHITECTURE.md embeds it; a test checks)."""
-    kinds = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)})
-    count = {r: sum(cfg.compress_ratio(i) == r for i in range(cfg.num_hidden_layers)) for r in kinds}
+    kinds = sorted({cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}, key=lambda kind: kind.ratio)
+    count = {kind: sum(cfg.layer_kind(i) is kind for i in range(cfg.num_hidden_layers)) for kind in kinds}
     lines = [
         "| component | layers | tokens/entry | block (tokens) | entries/block | bytes/entry | page bytes |",
         "|---|---|---|---|---|---|---|",
     ]
     rows: dict[str, tuple[Component, int]] = {}
-    for ratio in kinds:
-        for name, comp in layer_components(cfg, ratio, kv_dtype, compressed_block_tokens, fp8).items():
+    for kind in kinds:
+        for name, comp in layer_components(cfg, kind, kv_dtype, compressed_block_tokens, fp8).items():
             prev = rows.get(name, (comp, 0))[1]
-            rows[name] = (comp, prev + count[ratio])
+            rows[name] = (comp, prev + count[kind])
     for name, (c, layers) in rows.items():
         lines.append(
             f"| `{name}` | {layers} | {c.tokens_per_entry} | {c.block_tokens} | {c.entries_per_block} "

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 import torch
 
 from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import Dsv4Config, LayerKind
 
 MAX_REPORTED_PROBLEMS = 10
 
@@ -137,17 +137,17 @@ def _hc_head(t: _Table, prefix: str) -> None:
     t.fp32(f"{prefix}hc_head_scale", 1)
 
 
-def _compressor(t: _Table, prefix: str, ratio: int, head_dim: int) -> None:
-    """wkv/wgate [c*hd, D] bf16, ape [ratio, c*hd] fp32, norm [hd] bf16; c = 2 for ratio 4."""
+def _compressor(t: _Table, prefix: str, kind: LayerKind, head_dim: int) -> None:
+    """wkv/wgate [c*hd, D] bf16, ape [ratio, c*hd] fp32, norm [hd] bf16; c = ``kind.overlap``."""
     d = t.cfg.hidden_size
-    width = (2 if ratio == 4 else 1) * head_dim
+    width = kind.overlap * head_dim
     t.bf16(f"{prefix}.wkv.weight", width, d)
     t.bf16(f"{prefix}.wgate.weight", width, d)
-    t.fp32(f"{prefix}.ape", ratio, width)
+    t.fp32(f"{prefix}.ape", kind.ratio, width)
     t.bf16(f"{prefix}.norm.weight", head_dim)
 
 
-def _block(t: _Table, p: str, ratio: int, hash_routed: bool) -> None:
+def _block(t: _Table, p: str, kind: LayerKind, hash_routed: bool) -> None:
     """One transformer block (main layer or the MTP block) under prefix ``p`` (ends with '.')."""
     cfg = t.cfg
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
@@ -165,13 +165,13 @@ def _block(t: _Table, p: str, ratio: int, hash_routed: bool) -> None:
     t.fp8_linear(f"{a}wo_a.weight", cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups)
     t.fp8_linear(f"{a}wo_b.weight", d, cfg.o_groups * cfg.o_lora_rank)
     t.fp32(f"{a}attn_sink", h)
-    if ratio > 1:
-        _compressor(t, f"{a}compressor", ratio, hd)
-    if ratio == 4:
+    if kind is not LayerKind.SWA:
+        _compressor(t, f"{a}compressor", kind, hd)
+    if kind is LayerKind.C4:
         ihd, ih = cfg.index_head_dim, cfg.index_n_heads
         t.fp8_linear(f"{a}indexer.wq_b.weight", ih * ihd, cfg.q_lora_rank)
         t.bf16(f"{a}indexer.weights_proj.weight", ih, d)
-        _compressor(t, f"{a}indexer.compressor", 4, ihd)
+        _compressor(t, f"{a}indexer.compressor", LayerKind.C4, ihd)
 
     f = f"{p}ffn."
     e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
@@ -204,7 +204,7 @@ def layer_tensors(cfg: Dsv4Config, layer: int) -> dict[str, TensorSpec]:
     if not 0 <= layer < cfg.num_hidden_layers:
         raise IndexError(f"layer {layer} out of range [0, {cfg.num_hidden_layers})")
     t = _Table(cfg)
-    _block(t, f"layers.{layer}.", cfg.compress_ratio(layer), hash_routed=layer < cfg.num_hash_layers)
+    _block(t, f"layers.{layer}.", cfg.layer_kind(layer), hash_routed=layer < cfg.num_hash_layers)
     return t.specs
 
 
@@ -224,7 +224,7 @@ def mtp_tensors(cfg: Dsv4Config, k: int) -> dict[str, TensorSpec]:
     t.bf16(f"{p}hnorm.weight", d)
     t.bf16(f"{p}norm.weight", d)
     _hc_head(t, p)
-    _block(t, p, cfg.compress_ratio(cfg.num_hidden_layers + k), hash_routed=False)
+    _block(t, p, cfg.layer_kind(cfg.num_hidden_layers + k), hash_routed=False)
     return t.specs
 
 

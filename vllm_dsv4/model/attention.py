@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from vllm_dsv4 import compat, envs, ops
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import Dsv4Config, LayerKind
+from vllm_dsv4.kv.layer import CacheLayer
 from vllm_dsv4.kv.layout import cache_layer_name, fp8_entries, layer_components
-from vllm_dsv4.model.cache import CacheLayer
+from vllm_dsv4.kv.metadata import CacheStepMetadata
 from vllm_dsv4.model.compressor import Compressor, visible_entries
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
@@ -30,9 +31,9 @@ QUERY_CHUNK = int(envs.ATTN_QUERY_CHUNK.read("8192" if ops.USE_KERNELS else "204
 ATTN_CALL_BYTES = int(envs.ATTN_CALL_BYTES.read())
 
 
-def layer_inv_freq(cfg: Dsv4Config, ratio: int) -> torch.Tensor:
+def layer_inv_freq(cfg: Dsv4Config, kind: LayerKind) -> torch.Tensor:
     """θ=rope_theta without YaRN on window-only layers; compress θ with YaRN elsewhere (§3.2)."""
-    if ratio == 0:
+    if kind is LayerKind.SWA:
         return ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
     yarn = cfg.yarn
     if yarn is None:
@@ -55,9 +56,10 @@ def grouped_out_proj(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
 class Attention(nn.Module):
     """Returns this rank's partial output: its heads and output groups (model/parallel.py)."""
 
-    def __init__(self, cfg: Dsv4Config, ratio: int, prefix: str, vllm_config, kv_dtype: torch.dtype, shard: Shard):
+    def __init__(self, cfg: Dsv4Config, kind: LayerKind, prefix: str, vllm_config, kv_dtype: torch.dtype,
+                 shard: Shard):
         super().__init__()
-        self.ratio, self.eps = ratio, cfg.rms_norm_eps
+        self.kind, self.ratio, self.eps = kind, kind.ratio, cfg.rms_norm_eps
         self.head_dim, self.window, self.o_rank = cfg.head_dim, cfg.sliding_window, cfg.o_lora_rank
         self.num_heads = shard.part(cfg.num_attention_heads, "num_attention_heads")
         self.groups = shard.part(cfg.o_groups, "o_groups")
@@ -70,26 +72,26 @@ class Attention(nn.Module):
         self.wo_a = Linear(heads_per_group * self.head_dim, self.groups * self.o_rank)
         self.wo_b = Linear(self.groups * self.o_rank, cfg.hidden_size)
         self.attn_sink = fp32_param(self.num_heads)
-        inv_freq = layer_inv_freq(cfg, ratio)
+        inv_freq = layer_inv_freq(cfg, kind)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # window slot w of the query at p is position p - window + 1 + w
         self.register_buffer("window_offsets", torch.arange(1 - self.window, 1), persistent=False)
 
         cache_config = vllm_config.cache_config
-        components = layer_components(cfg, ratio, kv_dtype, cache_config.block_size,
+        components = layer_components(cfg, kind, kv_dtype, cache_config.block_size,
                                       fp8_entries(cache_config.cache_dtype))
         caches = {name: CacheLayer(comp, cache_layer_name(prefix, name), vllm_config)
                   for name, comp in components.items()}
         self.swa_cache = caches["swa"]
-        self.main_cache = caches.get("c4") or caches.get("c128")
-        if ratio:
-            main = "c4" if ratio == 4 else "c128"
-            self.compressor = Compressor(ratio, cfg.hidden_size, self.head_dim, self.eps, inv_freq,
-                                         caches[f"{main}_state"], self.main_cache)
+        self.main_cache = None  # swa: the window is its only cache
+        if kind is not LayerKind.SWA:
+            self.main_cache = caches[kind.value]
+            self.compressor = Compressor(kind, cfg.hidden_size, self.head_dim, self.eps, inv_freq,
+                                         caches[f"{kind.value}_state"], self.main_cache)
         max_model_len = vllm_config.model_config.max_model_len
-        if ratio == 4:
+        if kind is LayerKind.C4:
             self.indexer = Indexer(cfg, inv_freq, caches["indexer_state"], caches["indexer"], max_model_len)
-        self.max_c128_entries = -(-max_model_len // 128)
+        self.max_c128_entries = -(-max_model_len // LayerKind.C128.ratio)
         self._attend = compat.eager_break(self._attend_eager)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -119,37 +121,37 @@ class Attention(nn.Module):
         self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, req, positions)
         main = picks = None
         slots = self.window
-        if self.ratio:  # every write of this step lands before any read
+        if self.kind is not LayerKind.SWA:  # every write of this step lands before any read
             self.compressor(x, positions)
             main = self.main_cache.source(self.main_cache.metadata())
-            if self.ratio == 4:
+            if self.kind is LayerKind.C4:
                 picks = self.indexer(x, q_latent, positions)  # [T, topk], -1 where none
                 slots += picks.shape[1]
             else:
-                slots += visible_entries(md, positions, self.ratio, self.max_c128_entries)[1]
+                slots += visible_entries(md, positions, self.kind, self.max_c128_entries)[1]
         attend = ops.sparse_attn_cached if md.decode_only else ops.sparse_attn_prefill
         chunk = self._query_chunk(slots)
         for start in range(0, num_tokens, chunk):
             rows = slice(start, start + chunk)
             # Layers of one kind see slot lists of the same lengths in a chunk (window: the positions;
             # C128: the visible count; C4: min(top-k, visible), picks first), so they share plans.
-            plans = md.plans.setdefault((rows.start, rows.stop, self.ratio), {})
+            plans = md.plan.call_scratch.once((rows.start, rows.stop, self.kind), dict)
             window_rows = main_rows = None
             if not md.decode_only:
-                window_rows, main_rows = md.once(("span rows", rows.start, rows.stop, self.ratio),
-                                                 lambda: self._span_rows(md, rows))
+                window_rows, main_rows = md.plan.span_rows.once((rows.start, rows.stop, self.kind),
+                                                                lambda: self._span_rows(md, rows))
             window = self.swa_cache.source(md, plans)._replace(span_rows_bound=window_rows)
             chunk_main, entries = main, None
-            if self.ratio == 4:
+            if self.kind is LayerKind.C4:
                 chunk_main, entries = main._replace(span_rows_bound=main_rows), picks[rows]
-            elif self.ratio == 128:
+            elif self.kind is LayerKind.C128:
                 # C128 layers name the same entries (every visible one), so they share what is planned from them.
                 chunk_main = main._replace(plans=plans, span_rows_bound=main_rows)
                 entries = self._every_visible(md, rows, positions)
             attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
                    self._window(md, rows, positions[rows]), chunk_main, entries, out=o[rows])
 
-    def _span_rows(self, md, rows: slice) -> tuple[int, int | None]:
+    def _span_rows(self, md: CacheStepMetadata, rows: slice) -> tuple[int, int | None]:
         """Host bounds on the buffer rows of a prefill call over the queries ``rows`` (``CacheSource.
         span_rows_bound``): a request with n of them, at consecutive positions, names at most
         n + window - 1 window entries, and at most L // ratio compressed ones at a length of at most L
@@ -173,22 +175,22 @@ class Attention(nn.Module):
         chunk = max(1, min(QUERY_CHUNK, ATTN_CALL_BYTES // (slots * per_slot)))
         return max(16, chunk // 16 * 16) if ops.USE_KERNELS else chunk
 
-    def _window(self, md, rows: slice, positions):
+    def _window(self, md: CacheStepMetadata, rows: slice, positions):
         """SWA entries [t, W] of the queries ``rows``: the last ``window`` token positions up to each
         query, -1 before position 0 (once per step and chunk: every layer's are the same)."""
-        return md.once(("window entries", rows.start, rows.stop),
-                       lambda: (positions[:, None] + self.window_offsets).clamp_(min=-1))
+        return md.plan.window_entries.once((rows.start, rows.stop),
+                                           lambda: (positions[:, None] + self.window_offsets).clamp_(min=-1))
 
-    def _every_visible(self, md, rows: slice, positions):
+    def _every_visible(self, md: CacheStepMetadata, rows: slice, positions):
         """C128 entry numbers [t, K] the queries ``rows`` attend: every visible one, then -1 (once per
         step and chunk: every C128 layer's are the same)."""
 
         def make():
-            num_visible, width = visible_entries(md, positions, self.ratio, self.max_c128_entries)
+            num_visible, width = visible_entries(md, positions, self.kind, self.max_c128_entries)
             entries = torch.arange(width, device=positions.device)
             return torch.where(entries < num_visible[rows, None], entries, -1)
 
-        return md.once(("c128 entries", rows.start, rows.stop), make)
+        return md.plan.c128_entries.once((rows.start, rows.stop), make)
 
     def out_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate and down-project per head group (§5.6): [T, H, d] -> [T, G * o_rank]: all in one

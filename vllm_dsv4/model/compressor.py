@@ -7,7 +7,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from vllm_dsv4.model.cache import CacheLayer
+from vllm_dsv4.config import LayerKind
+from vllm_dsv4.kv.layer import CacheLayer
+from vllm_dsv4.kv.metadata import CacheStepMetadata
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 
 
@@ -15,15 +17,17 @@ class Compressor(nn.Module):
     """Writes the entries closed in this step into ``out_cache``.
 
     Every token's ``[kv | gate + ape]`` row goes to ``state_cache`` (a sliding window of the last
-    ``coff * ratio`` tokens). A token at position p with (p+1) % ratio == 0 closes entry
-    w = p // ratio: its window rows are read back, pooled, normed, roped at w * ratio and stored.
+    ``coff * ratio`` tokens, ``coff = kind.overlap``). A token at position p with (p+1) % ratio == 0
+    closes entry w = p // ratio: its window rows are read back, pooled, normed, roped at w * ratio and
+    stored.
     """
 
-    def __init__(self, ratio: int, hidden_size: int, head_dim: int, eps: float, inv_freq: torch.Tensor,
+    def __init__(self, kind: LayerKind, hidden_size: int, head_dim: int, eps: float, inv_freq: torch.Tensor,
                  state_cache: CacheLayer, out_cache: CacheLayer):
         super().__init__()
-        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
-        coff = 2 if self.overlap else 1
+        self.kind, self.ratio, self.head_dim = kind, kind.ratio, head_dim
+        ratio, coff = kind.ratio, kind.overlap
+        self.overlap = coff > 1
         self.wkv_gate = Linear(hidden_size, 2 * coff * head_dim)  # official wkv, wgate rows
         self.ape = fp32_param(ratio, coff * head_dim)
         self.norm = RMSNorm(head_dim, eps)
@@ -38,11 +42,10 @@ class Compressor(nn.Module):
         req = md_state.token_to_req  # [T], -1 for padding
         kv, gate = self.wkv_gate(x).chunk(2, dim=-1)
         self.state_cache.write_state(md_state, req, positions, kv, gate, self.ape)
-        # Which windows close depends on the step's tokens only: the first compressor of this ratio
+        # Which windows close depends on the step's tokens only: the first compressor of this kind
         # works it out and every later layer's reuses it (a CUDA graph replays that first computation).
-        closed = md_state.once(("closed windows", self.ratio),
-                               lambda: self._closed_windows(req, positions, md_state.decode_only,
-                                                            md_state.block_table.shape[0]))
+        closed = md_state.plan.closed_windows.once(self.kind, lambda: self._closed_windows(
+            req, positions, md_state.decode_only, md_state.block_table.shape[0]))
         pooled = self.state_cache.pool_windows(md_state, closed.out_req[:, None], closed.read_entry, closed.valid,
                                                self.overlap, self.head_dim)  # [N, d]; 0 where not stored
         self.out_cache.insert(md_out, pooled, self.norm, closed.rope_positions, self.inv_freq, closed.out_req,
@@ -71,8 +74,9 @@ class Compressor(nn.Module):
                              out_req=out_req, entry=torch.div(pos, self.ratio, rounding_mode="floor"))
 
 
-def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -> tuple[torch.Tensor, int]:
-    """``(num_visible [T], width)``: the compressed entries of ``ratio`` each query sees, (p + 1) // ratio,
+def visible_entries(md: CacheStepMetadata, positions: torch.Tensor, kind: LayerKind,
+                    max_entries: int) -> tuple[torch.Tensor, int]:
+    """``(num_visible [T], width)``: the compressed entries of ``kind`` each query sees, (p + 1) // ratio,
     and how many a step scores or attends: ``max_entries`` in decode steps (fixed shapes, what a CUDA
     graph replays), else the step's largest count, from the longest request's length on the host (a
     query at p sees (p + 1) // ratio); either rounded up to a multiple of 16: Triton compiles the
@@ -81,11 +85,11 @@ def visible_entries(md, positions: torch.Tensor, ratio: int, max_entries: int) -
     serving. Once per step: every layer's are the same."""
 
     def count():
-        num_visible = torch.div(positions + 1, ratio, rounding_mode="floor")
-        width = max_entries if md.decode_only else max(md.max_seq_len // ratio, 1)
+        num_visible = torch.div(positions + 1, kind.ratio, rounding_mode="floor")
+        width = max_entries if md.decode_only else max(md.max_seq_len // kind.ratio, 1)
         return num_visible, -(-width // 16) * 16
 
-    return md.once(("visible entries", ratio), count)
+    return md.plan.visible_entries.once(kind, count)
 
 
 class ClosedWindows(NamedTuple):

@@ -31,7 +31,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(cfg), HyperConnection(cfg)
         attn_prefix = f"{prefix}.{name}.attn" if prefix else f"{name}.attn"
-        self.attn = Attention(cfg, cfg.compress_ratio(layer), attn_prefix, vllm_config, kv_dtype, shard)
+        self.attn = Attention(cfg, cfg.layer_kind(layer), attn_prefix, vllm_config, kv_dtype, shard)
         self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

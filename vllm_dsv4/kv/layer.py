@@ -9,8 +9,9 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from csrc_triton.paged import CacheSource
 from vllm_dsv4 import compat, ops
-from vllm_dsv4.attention.backend import CacheBackend, CacheStepMetadata
+from vllm_dsv4.kv.backend import CacheBackend
 from vllm_dsv4.kv.layout import Component
+from vllm_dsv4.kv.metadata import CacheStepMetadata
 from vllm_dsv4.kv.spec import component_spec
 
 
@@ -53,7 +54,7 @@ class CacheLayer(nn.Module, AttentionLayerBase):
 
     def source(self, md: CacheStepMetadata, plans: dict | None = None) -> CacheSource:
         """This step's pages as a key source that kernels read by (request, entry); ``plans``: the
-        scratch of calls with equal slot-list lengths (``CacheSource.plans``)."""
+        scratch of calls with equal slot-list lengths (``CacheSource.plans``, ``StepPlan.call_scratch``)."""
         comp = self.component
         return CacheSource(self.view, md.block_table, comp.entries_per_block, comp.fp8, plans)
 

@@ -1,8 +1,6 @@
-"""One attention backend for every DSV4 cache component, and its per-step metadata builder.
-
-DSV4 layers run their own forward (model/attention.py), so the backend only names the component
-caches to vLLM, asks for a block-outermost layout (so components with different page sizes pack
-into one block pool, vllm_plugin_surface.md §2.4) and builds the step metadata below.
+"""Where each cache component's entries live in a step, and what the step's layers share: the
+per-step metadata (``CacheStepMetadata``, with its ``StepPlan``) and the builder vLLM runs once per
+KV-cache group and step (``CacheMetadataBuilder``, named by kv/backend.py's ``CacheBackend``).
 """
 
 from __future__ import annotations
@@ -12,13 +10,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionCGSupport,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-    MultipleOf,
-)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
+
+
+class Memo(dict):
+    """A dict whose values are each made once: ``once(key, make)``."""
+
+    def once(self, key, make: Callable[[], Any]) -> Any:
+        """``make()`` for the first caller that asks for ``key``; that value, as it is, for every later one."""
+        if key not in self:
+            self[key] = make()
+        return self[key]
+
+
+@dataclass
+class StepPlan:
+    """What depends only on the step's tokens, made by the first layer that needs it and read by every
+    later one (a CUDA graph captures the first layer's computation). One per step, shared by every
+    cache group's metadata (``StepPlans``), so a plan never outlives the step or the graph capture it
+    was made in; a draft step has its own. Keys: a layer kind (``config.LayerKind``), the rows
+    ``(start, stop)`` of a query chunk of the step, or both."""
+
+    closed_windows: Memo = field(default_factory=Memo)  # kind -> model.compressor.ClosedWindows
+    visible_entries: Memo = field(default_factory=Memo)  # kind -> (num_visible [T], width): compressor.py
+    window_entries: Memo = field(default_factory=Memo)  # chunk -> [t, W] window slots of its queries
+    c128_entries: Memo = field(default_factory=Memo)  # chunk -> [t, K] every visible C128 entry, then -1
+    span_rows: Memo = field(default_factory=Memo)  # (chunk, kind) -> host bounds on a prefill call's key rows
+    # (chunk, kind) -> the scratch dict the attention calls of the chunk's layers of that kind share
+    # (csrc_triton.paged.CacheSource.plans: their slot lists have the same lengths)
+    call_scratch: Memo = field(default_factory=Memo)
 
 
 @dataclass(frozen=True)
@@ -38,18 +58,7 @@ class CacheStepMetadata:
     query_starts: list[int]  # [R + 1] where each request's tokens start in the step (host)
     seq_len_bounds: list[int] | None  # [R] at least each request's tokens up to this step's last (host;
     # not in decode steps, which do not read it)
-    # This step's plans: FlashMLA's, one per (query chunk, layer kind), and the index tensors every
-    # layer of a kind would otherwise recompute (model/attention.py, compressor.py, indexer.py); one
-    # dict per step, shared by every cache group's metadata (StepPlans), so a plan never outlives the
-    # step (or the graph capture) it was made in.
-    plans: dict = field(default_factory=dict, compare=False)
-
-    def once(self, key, make: Callable[[], Any]) -> Any:
-        """``make()`` for the first layer of this step that asks for ``key``, kept in ``plans`` and
-        returned as it is to every later one."""
-        if key not in self.plans:
-            self.plans[key] = make()
-        return self.plans[key]
+    plan: StepPlan = field(default_factory=StepPlan, compare=False)  # what the step's layers share
 
 
 class TokenRequests:
@@ -86,32 +95,31 @@ class TokenRequests:
 
 class StepPlans:
     """What the metadata of every cache group of one step shares, made by the step's first group: the
-    ``plans`` dict, so that a plan is made once per step and layer kind rather than once per group
-    (vLLM splits the layers' caches into groups of a few layers, a window group per two layers at
-    V4-Flash, and FlashMLA's scheduler plan alone took 27 us per layer and step on the H200: 2026-12-05
-    decode profile, one per layer), and the step's fields (token map, query starts, bounds: the 17
-    groups of a 6-layer step took 185 us to build on a 2-core CPU with each working them out, 119
-    without). vLLM builds each group's metadata from a shallow copy of one ``CommonAttentionMetadata``
-    per step, so the groups of a step hand in the same ``query_start_loc_cpu`` tensor, a new slice
-    every step, which marks the step (held here, so its id cannot be reused by another)."""
+    ``StepPlan``, so that a plan is made once per step and layer kind rather than once per group (vLLM
+    splits the layers' caches into groups of a few layers, a window group per two layers at V4-Flash,
+    and a plan made per group would be made once per layer), and the step's fields (token map, query
+    starts, bounds), worked out once rather than by every group's builder. vLLM builds each group's
+    metadata from a shallow copy of one ``CommonAttentionMetadata`` per step, so the groups of a step
+    hand in the same ``query_start_loc_cpu`` tensor, a new slice every step, which marks the step
+    (held here, so its id cannot be reused by another)."""
 
     _by_device: dict[str, StepPlans] = {}
 
     def __init__(self):
-        self.step = None  # the marker of the step whose plans are held
-        self.plans: dict = {}
+        self.step = None  # the marker of the step whose plan is held
+        self.plan = StepPlan()
         self.fields: dict = {}
 
     @classmethod
     def shared(cls, device) -> StepPlans:
         return cls._by_device.setdefault(str(torch.device(device)), cls())
 
-    def of(self, step: torch.Tensor, make_fields: Callable[[], dict]) -> tuple[dict, dict]:
-        """``(plans, fields)`` of the step that ``step`` (its ``query_start_loc_cpu``) marks: for a new
-        step, an empty plans dict and ``make_fields()``."""
+    def of(self, step: torch.Tensor, make_fields: Callable[[], dict]) -> tuple[StepPlan, dict]:
+        """``(plan, fields)`` of the step that ``step`` (its ``query_start_loc_cpu``) marks: for a new
+        step, an empty plan and ``make_fields()``."""
         if step is not self.step:
-            self.step, self.plans, self.fields = step, {}, make_fields()
-        return self.plans, self.fields
+            self.step, self.plan, self.fields = step, StepPlan(), make_fields()
+        return self.plan, self.fields
 
 
 class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
@@ -128,13 +136,13 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False):
         """``fast_build``: a draft step (vLLM's ``build_for_drafting``), whose proposer reuses one
-        ``CommonAttentionMetadata`` for all its draft steps: its plans are its own."""
+        ``CommonAttentionMetadata`` for all its draft steps: its plan is its own."""
         cm = common_attn_metadata
         if fast_build:
-            plans, fields = {}, self._step_fields(cm)
+            plan, fields = StepPlan(), self._step_fields(cm)
         else:
-            plans, fields = self._step_plans.of(cm.query_start_loc_cpu, lambda: self._step_fields(cm))
-        return CacheStepMetadata(block_table=cm.block_table_tensor[: cm.num_reqs], plans=plans, **fields)
+            plan, fields = self._step_plans.of(cm.query_start_loc_cpu, lambda: self._step_fields(cm))
+        return CacheStepMetadata(block_table=cm.block_table_tensor[: cm.num_reqs], plan=plan, **fields)
 
     def _step_fields(self, cm: CommonAttentionMetadata) -> dict:
         """The fields of ``CacheStepMetadata`` that are the same for every cache group of a step."""
@@ -148,34 +156,3 @@ class CacheMetadataBuilder(AttentionMetadataBuilder[CacheStepMetadata]):
             query_starts=starts,
             seq_len_bounds=None if bounds is None else bounds[: cm.num_reqs].tolist(),
         )
-
-
-class CacheBackend(AttentionBackend):
-    """Backend of every DSV4 cache component (names other registries see carry our prefix)."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "DSV4_PLUGIN_CACHE"
-
-    @staticmethod
-    def get_impl_cls():
-        raise NotImplementedError("DSV4 cache layers run their own forward; there is no impl")
-
-    @staticmethod
-    def get_builder_cls():
-        return CacheMetadataBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [MultipleOf(1)]
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        # vLLM 0.26 only (compat ledger 3): one latent entry per token slot.
-        return (num_blocks, block_size, head_size)
-
-    @classmethod
-    def supported_kv_cache_layouts(cls):
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        return (KVCacheLayout.BLHNC,)
