@@ -5,19 +5,17 @@ Matches :func:`indexer_ref.indexer_topk` in two stages:
 1. ``_indexer_scores_kernel``, one program per (``TOKENS`` queries, block of ``BLOCK_N`` entries):
    ``score[t, w] = sum_h weights[t, h] * relu(q[t, h] . keys[w])`` as one ``[BLOCK_N, H]`` tensor-core
    dot per query, fp32 accumulation, keys as its rows so that the sum over heads runs along each row
-   inside a warp (heads as rows summed across warps through shared memory: the sm_90 PTX of the
-   prefill kernel had 19 barriers and 160 shuffles, now 3 and 8; the paged FP8 one 15 and 88, now 7
-   and 12; not yet timed); entries ``w >= num_visible[t]`` get -inf, and blocks wholly past
+   inside a warp (heads as rows would be summed across warps through shared memory, with many more
+   barriers and shuffles); entries ``w >= num_visible[t]`` get -inf, and blocks wholly past
    the visible prefix are written without reading their keys (causal prefill reads half the keys).
    Prefill-sized calls put 8 neighbouring queries in a program, which load and FP8-decode the key tile
-   once while they share keys (the profile of an 8k prefill on the H200 had this kernel at 2.1 ms per
-   layer against 0.15 for DeepGEMM's FP8 MQA logits, 2026-12-03); decode batches keep one query each.
+   once while they share keys (one query per program decoded every key tile once per query, which
+   made this kernel a prefill's largest cost); decode batches keep one query each.
 2. ``_select_kernel``, one program per query: the top-k of the visible prefix of its scores by radix
    select (four 8-bit histogram passes over the order-preserving integer keys of the fp32 scores find
    the k-th largest key, a fifth pass writes the indices above it and the lowest-indexed ones equal
    to it), then -1. It reads ``num_visible`` scores, not the row: a decode row's width is fixed at
-   ``max_model_len / 4`` for CUDA graphs, which ``torch.topk`` scanned whole (2.1 ms per 16 decode
-   steps at batch 16 on the H200, against 0.25 ms for the in-tree top-k; 2026-12-03). A row with at
+   ``max_model_len / 4`` for CUDA graphs, which ``torch.topk`` would scan whole. A row with at
    most k visible entries picks them all without a pass. Deterministic: ties go to the lower index.
 
 Bytes per query: ``H * di`` of q + ``num_visible * di`` of keys (from L2 after the first query of a

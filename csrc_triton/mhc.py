@@ -178,10 +178,9 @@ def _cuda_sm_count(device_index: int) -> int:
 def _mix_config(T: int, nd: int, device: torch.device) -> dict:
     """Tiles of the projection and the split of the n*D axis (whole BLOCK_Ks, at least MIX_SPLIT_MIN
     values each), so that decode-sized T still spreads ``fn`` over ~2 programs per SM: at V4-Flash's
-    n*D = 16,384, 128 splits of 4 k steps (at 16 k steps each, 32 programs read ``fn`` at T <= 16:
-    9.5 us per call at batch 16 on the H200, 2026-12-05). Measured on H200
-    (triton 3.6, bf16, n = 4, D = 4096): 64-token blocks x 32-wide k steps, 4 warps, is the fastest
-    prefill tile (2.4x over 64 x 64 / 8 warps); at T <= 64 every tile measured within 10%."""
+    n*D = 16,384, 128 splits of 4 k steps (at 16 k steps each, only 32 programs would read ``fn`` at
+    T <= 16). 64-token blocks x 32-wide k steps, 4 warps, is the fastest prefill tile measured (docs/bench);
+    at T <= 64 the tile choice hardly matters."""
     block_t = 16 if T <= 512 else 64
     splits = max(1, min(triton.cdiv(2 * _sm_count(device), triton.cdiv(T, block_t)), _max_splits(nd)))
     return dict(BLOCK_T=block_t, BLOCK_K=MIX_BLOCK_K, splits=splits, num_warps=4)

@@ -226,15 +226,12 @@ def _tile(n: int, cap: int) -> int:
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Tile caps. Decode and small batches (at most 16 rows per expert on average): 16-row blocks,
     one per hit expert, so each weight byte is read once; 64-column tiles on 2 warps (each thread
-    decodes twice the weight of the 4-warp 32-column tile for the same x loads). On the H200, graph
-    replayed at V4-Flash's shapes (E 256, k 6, D 4096, I 2048), that tile took 73 / 497 / 1,270 us at
-    T = 1 / 16 / 64 against 89 / 617 / 1,581 for 32 columns on 4 warps, the best of six decode tiles
-    (docs/bench/README.md, 2026-12-05); vLLM's Marlin took 59 / 414 / 1,025. Larger batches: 64 x 64
-    tiles reuse a decoded tile over 64 rows (13.1 ms at T = 8,192, the best of four batch tiles;
-    Marlin 11.0). fp32 (a test path) halves the K step. ``X_IN_K_ORDER``: W13 reads x with its columns
-    already in the kernel's K order (one permuted copy per call): for batch tiles x then reaches the
-    tensor cores as loaded, not gathered element by element (sm_90, triton 3.6: the K step 321 -> 280
-    instructions, 167 -> 140 registers; untimed); decode tiles compile worse that way (874 -> 1,047)."""
+    decodes twice the weight of the 4-warp 32-column tile for the same x loads), the best of the
+    decode tiles timed at V4-Flash's shapes (docs/bench). Larger batches: 64 x 64 tiles reuse a
+    decoded tile over 64 rows, the best of the batch tiles timed. fp32 (a test path) halves the K
+    step. ``X_IN_K_ORDER``: W13 reads x with its columns already in the kernel's K order (one permuted
+    copy per call): for batch tiles x then reaches the tensor cores as loaded, not gathered element by
+    element (fewer instructions and registers per K step); decode tiles compile worse that way."""
     if num_pairs <= 16 * num_experts:
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=2, num_stages=4)
     else:

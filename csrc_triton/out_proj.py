@@ -2,10 +2,9 @@
 Triton kernel (docs/MODEL.md §5.6; semantics and oracle: out_proj_ref.rope_out_proj).
 
 The unfused path runs the rope kernel, a transpose, then per group vLLM's activation quantiser and
-block-FP8 GEMM: about 20 launches per layer. On the H200 at V4-Flash's wo_a (33.5 MB of FP8 weight:
-7 us of HBM time) this kernel takes 116 / 96 / 130 / 890 / 6,991 us at 1 / 16 / 64 / 1,024 / 8,192
-tokens against the unfused path's 851 / 778 / 1,297 / 1,201 / 2,109 us, so the model runs it for
-steps of up to 1,024 tokens (``ops.OUT_PROJ``); large prefill tiles are far from the GEMMs' speed.
+block-FP8 GEMM: about 20 launches per layer, which dominate small steps. This kernel is one launch,
+but its large prefill tiles are far from the GEMMs' speed, so the model runs it for steps of up to
+``ops.OUT_PROJ_FUSED_MAX_TOKENS`` tokens (``ops.OUT_PROJ``; docs/bench has the measurements).
 
 One program computes a [BLOCK_M tokens, BLOCK_N outputs] tile of one group. Per 128-wide K block it
 loads the attention output, splits it into its interleaved rope pairs in registers and de-rotates
@@ -19,9 +18,9 @@ never straddles two heads (``d % 128 == 0``) and the rope tail lies in a head's 
 (``rope_dim <= 128``), so the group's K blocks walk its heads in order.
 
 :func:`rope_quant_fp8` stores the same de-rotated e4m3 activations and their scales instead of
-multiplying them, laid out for DeepGEMM's grouped FP8 GEMM (``ops.OUT_PROJ=einsum``, compat ledger 9),
-the route vLLM's in-tree model takes: its wo_a cost 1.3 ms per 16 decode steps of batch 16 on the
-H200 where this kernel cost 6.8 (2026-12-04 profiles, 6 layers).
+multiplying them, laid out for DeepGEMM's grouped FP8 GEMM (``ops.OUT_PROJ=einsum``,
+vllm_dsv4/ops/vllm_kernels.py binding 4), the route vLLM's in-tree model takes, faster than this
+kernel on large steps.
 
 Bytes per call: ``G*R*K`` FP8 weight (the decode cost) + ``4 G*R*K / 128^2`` scales + ``2 T H d`` in
 + ``2 T G R`` out (:func:`rope_quant_fp8` also ``8 T r/2`` of cos / sin tables from torch, whose CPU
@@ -185,8 +184,8 @@ def default_tiles(T: int) -> dict:
     """The launch's tile sizes for ``T`` tokens (scripts/bench_kernels.py times others against them)."""
     if T <= 64:  # decode: split K into four shares so more programs stream the weight (V4-Flash's output
         # tiles alone give each of an H200's 132 SMs one program, 32 dependent K blocks long). Up to 16 tokens
-        # (one row block) 128-wide 8-warp tiles: 36 us at T = 1 against 89 for 64-wide 4-warp ones (graph-timed,
-        # scripts/bench_kernels.py, 2026-12-04e); wider row blocks keep the 64-wide tile until timed
+        # (one row block) 128-wide 8-warp tiles, the faster where timed (scripts/bench_kernels.py); wider row
+        # blocks keep the 64-wide tile until timed
         wide = T <= 16
         return dict(BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=128 if wide else 64,
                     num_warps=8 if wide else 4, num_stages=4, SPLIT_K=4)

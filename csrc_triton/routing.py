@@ -117,8 +117,8 @@ def route(
         bias = bias.to(device=router_logits.device, dtype=torch.float32).contiguous()
     block_e = triton.next_power_of_2(E)
     # Two tokens per one-warp program (E = 256: 16 scores a thread): the k rounds of arg-max and gather
-    # reduce within a warp (shuffles, no barrier); 16 tokens on 4 warps took ~10 us at any T <= 64 on
-    # the H200 (2026-12-04e), the latency of 2k cross-warp reductions in a row.
+    # reduce within a warp (shuffles, no barrier); with 16 tokens on 4 warps a small step waited on the
+    # latency of thousands of cross-warp reductions in a row.
     block_t = 2 if block_e <= 256 else 1
     _route_kernel[(triton.cdiv(T, block_t),)](
         router_logits, bias if bias is not None else weights, hash_ids if hash_ids is not None else ids,

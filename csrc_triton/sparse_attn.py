@@ -167,12 +167,11 @@ _INTERPRETED = not isinstance(_sparse_attn_kernel, JITFunction)
 
 def _config(H: int, d: int, dtype: torch.dtype, fp8: bool) -> dict:
     """Tile sizes (``tl.dot`` needs every dim >= 16). One head block of up to 64 heads per token, so
-    that each key is read once per token; measured on H200 (triton 3.6, bf16, H = 64, d = 512,
-    K = 640): 64 x 64 tiles, 8 warps, 2 stages beat 16-head blocks by 2.4x (T = 64) to 5x (T = 1024).
-    fp32 (a test path) keeps 16 x 16 tiles: 64 x 64 fp32 key tiles would not fit shared memory.
-    FP8 sources decode the key tile through fp32 registers next to the fp32 accumulator: 16-key
-    blocks (triton 3.9 + ptxas for sm_90, H = 64, d = 512, FP8 window and main: 1.2 KB of spill
-    stores per thread, 4.7 KB at 32 keys, 9.7 KB at 64; raw bf16 sources 0.5 KB at 64; not timed)."""
+    that each key is read once per token: 64 x 64 tiles, 8 warps, 2 stages (16-head blocks read every
+    key once per head block, several times slower; docs/bench has the measurements). fp32 (a test
+    path) keeps 16 x 16 tiles: 64 x 64 fp32 key tiles would not fit shared memory. FP8 sources decode
+    the key tile through fp32 registers next to the fp32 accumulator: 16-key blocks, as wider ones
+    spill several times more registers to local memory (scripts/sass_loops.py shows a build's)."""
     block_d = max(16, triton.next_power_of_2(d))
     if dtype == torch.float32 and block_d >= 256:
         return dict(BLOCK_H=16, BLOCK_K=16, BLOCK_D=block_d, num_warps=8, num_stages=2)

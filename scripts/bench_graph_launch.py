@@ -1,6 +1,6 @@
 """What a CUDA graph's launch costs the host, per node, by kind of node: is the decode step's
-``cudaGraphLaunch`` (551 us of CPU for 349 nodes at batch 16, 2026-12-05d; the in-tree engine's 207 us)
-set by how many nodes the graph holds or by what they are?
+``cudaGraphLaunch`` (several times the in-tree engine's, per step) set by how many nodes the graph holds
+or by what they are?
 
     python scripts/bench_graph_launch.py [--nodes 350] [--replays 50]
 

@@ -7,8 +7,8 @@ from tests/csrc_triton/kernel_cases.py, the same builders the kernel tests use. 
 the op must move (the ``*_bytes`` helpers there), so the % column is a roofline fraction for the
 kernel line; the reference line is timed on the same bytes for comparison. Kernels are timed replayed
 from a CUDA graph, as decode steps run them: timed eagerly, a decode-sized call can mostly measure
-Python's launch cost (likely so for the MoE rows of 2026-12-03b: 985 µs at T = 1 for 76 MB of
-weights, 1,034 at T = 16 for ~1 GB; Marlin's 277 / 436). Each case first checks the
+Python's launch cost (as eagerly timed MoE rows once did: about the same time at T = 1 and 16,
+for 13 times the weight bytes). Each case first checks the
 kernel against the reference (max abs diff printed) so a number never comes from a wrong kernel.
 Skips (exit 0) without CUDA. Where the model can run another GPU implementation of an op (wo_a: the
 inverse-RoPE kernel then vLLM's block-FP8 GEMM per head group, and our de-rotating quantiser then
@@ -186,7 +186,7 @@ def alternatives(op: str, inputs: tuple) -> dict[str, Callable]:
 
         marlin = vllm_kernels.marlin_mxfp4_experts(w13.clone(), w13_scale.clone(), w2.clone(), w2_scale.clone(), limit)
         # other tiles of our kernel, named mBLOCK_M nBLOCK_N kBLOCK_K wWARPS sSTAGES: at decode sizes
-        # the 4-warp 32-column tile (the default to 2026-12-05), wider, 1-warp, deeper-K and deeper-pipeline
+        # the 4-warp 32-column tile (the former default), wider, 1-warp, deeper-K and deeper-pipeline
         # (the decode's K loop issues ~3.4 SASS instructions per weight: more loads in flight may hide more),
         # and shallower ones (W13's 4 stages take 38 KB of shared memory, 5 programs per SM: fewer stages or
         # a 64-wide K step leave room for more); for batches the default tile with x gathered into the K

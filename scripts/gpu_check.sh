@@ -7,7 +7,7 @@
 #                                      # a pytest process per file, side by side
 #   scripts/gpu_check.sh compiles      # no compile of our Triton kernels while an engine serves (one engine run)
 #   scripts/gpu_check.sh vllm-kernels  # the vLLM kernels we bind (FP8 GEMMs, Marlin MoE) against our references;
-#                                      # DeepGEMM compiles each new shape first (~20 s each: > 7 min on 2026-12-03)
+#                                      # DeepGEMM compiles each new shape first (~20 s each, minutes in all)
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
@@ -45,7 +45,7 @@ export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
 # DeepGEMM's warm-up of every kernel choice (vLLM's default, which ours follows) takes many minutes on a
 # fresh machine: the stages skip it unless asked (their engines then compile DeepGEMM kernels as needed)
 export VLLM_DEEP_GEMM_WARMUP=${VLLM_DEEP_GEMM_WARMUP:-skip}
-# Our warm-up steps compile every kernel variant a server may need (219 s of a cold start, 2026-12-05d); the
+# Our warm-up steps compile every kernel variant a server may need (minutes of a cold start); the
 # correctness stages' engines skip them and compile only what their steps use. The benchmarks time a start
 # as users get it, and `compiles` checks that nothing compiles while serving: those keep the warm-up.
 case "${1:-unit}" in
@@ -140,7 +140,7 @@ case "${1:-unit}" in
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40
-    # where the host spends a batch-16 decode step (host-bound at 6 layers: 2026-12-05d)
+    # where the host spends a batch-16 decode step (host-bound at 6 layers)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.decode.trace.json.gz" --gaps 5 --frames 40 \
       > "$LOG_DIR/bench_$engine.decode_host.txt"; head -60 "$LOG_DIR/bench_$engine.decode_host.txt" ;;
   bench-marlin | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting

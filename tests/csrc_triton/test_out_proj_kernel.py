@@ -5,8 +5,8 @@ differ from the reference's fp32 ones by accumulation order). Both sides de-rota
 cos / sin (the launcher computes them as the reference does), without FMA contraction, take the
 scale as amax times the fp32 reciprocal of 448 and divide by it in IEEE arithmetic
 (test_compile_hopper.py checks the PTX), so the e4m3 activations are the reference's: one activation
-rounded to the neighbouring e4m3 value moves an output by up to ~0.01 at these magnitudes. On the
-H200 (2026-12-03) an approximate '/' failed fp32 at 64 and 1,000 tokens (largest difference 0.0137),
+rounded to the neighbouring e4m3 value moves an output by up to ~0.01 at these magnitudes. On an
+H200 an approximate '/' failed fp32 at 64 and 1,000 tokens (largest difference 0.0137),
 and an IEEE amax / 448 against torch's CUDA scalar division (a reciprocal product) failed bf16 from 3
 tokens on, where 448 x / amax often lands on an e4m3 tie. A wrong rotation sign, a missed scale or a
 wrong group moves outputs by their own size.

@@ -19,12 +19,12 @@ relative error by eps = 0.06 sqrt(layers) (independent layers add in quadrature)
 What eps means for the metrics depends on the logits. With these random weights they are close to
 i.i.d. N(0, 1) over the vocabulary (head N(0, 1/D) on RMS-normed states), which the reference's
 top-1 margins confirm: the share of positions with a margin > 0.5 nats was 18% for ktiny's 1,024
-tokens and 10% for V4-Flash's 129k (H200, 2026-12-04), where that model gives 17-19% and 9-12%. So
+tokens and 10% for V4-Flash's 129k (on an H200), where that model gives 17-19% and 9-12%. So
 the thresholds are that model's expectations at eps (``noise_model``): N(0, 1) logits plus
 independent N(0, eps^2) noise give the mean cosine of the two probability vectors (over each side's
 top-k where only the top-k is returned: for 129k near-flat logits that is mostly the overlap of the
 two top-64 sets, far below the full vectors' cosine) and the top-1 agreement; the measured values
-must reach them. Measured (H200, 2026-12-04): ktiny (4 layers, eps bound 0.12, where the model gives
+must reach them. Measured on an H200: ktiny (4 layers, eps bound 0.12, where the model gives
 cosine 0.993, top-1 0.80) cosine 0.9955, top-1 0.869; V4-Flash dims (6 layers, bound 0.147: about
 0.87 and 0.66 on top-64) 0.893 and 0.746, which the model matches at eps ~ 0.12 (and ktiny at
 ~0.09). The argmax must also agree where the reference is decisive: at positions whose top-1 margin

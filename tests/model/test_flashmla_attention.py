@@ -142,7 +142,7 @@ def test_gathered_slots_name_the_entries_the_slots_name(fp8, main_k, spare_rows,
 def test_a_span_bound_below_the_spans_is_refused(cpu_ops):
     """A caller's bound too low would index past the buffer: the device-side check refuses it. On CPU
     tensors, where the check raises at once: on a GPU it is a device-side assert, which leaves the
-    process's CUDA context unusable (every later test in it failed, H200 2026-12-05d)."""
+    process's CUDA context unusable (every later test in it fails)."""
     args = sparse_attn_cached_args(12, 2, 512, 6, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40),
                                    device="cpu")
     req, window, window_entries = args[3], args[4], args[5]
@@ -185,8 +185,8 @@ def test_gathered_spans_are_worked_out_once_per_plans(cpu_ops, monkeypatch):
 def test_gathering_slots_synchronises_once_per_unbounded_source(bounded):
     """gather_slots reads one number per source without a span bound on the host (its spans' total:
     the buffer's size), none for a bounded one, and makes no other synchronising call: host-built
-    index tensors would each cost a pageable copy that waits for the stream (an 8k prefill made 129
-    such copies on the H200, 2026-12-04; three per call here, ~24 calls, by count)."""
+    index tensors would each cost a pageable copy that waits for the stream (an 8k prefill made over a
+    hundred such copies before; three per call here, ~24 calls, by count)."""
     import warnings
 
     args = sparse_attn_cached_args(64, 2, 512, 16, 24, V4, torch.bfloat16, R=3, E=(4, 4), entries=(40, 40),

@@ -92,10 +92,10 @@ def test_marlin_moe_replays_as_eager(experts):
 def test_moe_rows_do_not_depend_on_padding_rows(experts):
     """A decode graph runs a batch padded to its capture size (13 requests in the graph of 16), eager
     runs it as it is: each real row must come out the same either way, or graph and eager part. Our
-    kernel reduces each row in a fixed order. vLLM's Marlin MoE does not (H200, 2026-12-05f: at
-    V4-Flash's shape a row of 5 came out one bf16 step away from the same row padded to 16; its tiling
-    follows the row count), which is why its whole-model graph decode parts from eager while each replay
-    matches (docs/bench/README.md, 2026-12-04b) and why it stays opt-in."""
+    kernel reduces each row in a fixed order. vLLM's Marlin MoE does not (at V4-Flash's shape a row of
+    5 came out one bf16 step away from the same row padded to 16; its tiling follows the row count),
+    which is why its whole-model graph decode parts from eager while each replay matches and why it
+    stays opt-in."""
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
 
     weights, routed = experts
