@@ -72,7 +72,7 @@ flash_checkpoint() {  # drawn and quantised on the GPU: about a minute
 
 case "${1:-unit}" in
   unit)
-    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/kv tests/loader \
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=line --durations=15 tests/csrc_triton tests/model tests/ops tests/kv tests/loader tests/connector \
       -k "not ($VLLM_KERNEL_TESTS)" > "$LOG_DIR/unit.log" 2>&1; summary "$LOG_DIR/unit.log" ;;
   changed)  # one pytest process per file, side by side: Triton's compiles, which dominate, use one CPU each,
     # and a device-side assert (which leaves its process's CUDA context unusable) fails one file only
@@ -121,8 +121,8 @@ case "${1:-unit}" in
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
   connector)
-    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/kv/test_connector_plan.py \
-      tests/kv/test_entry_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_plan.py \
+      tests/connector/test_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1
     summary "$LOG_DIR/connector.log"
     flash_checkpoint
     timeout "$LIMIT" python scripts/bench_connector.py --ckpt "$FLASH" --lens 8192 32768 --batch 1 \

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.csrc_triton import kernel_cases as kc
-from tests.model.test_flashmla_attention import _aligned
+from tests.ops.test_flashmla import _aligned
 from vllm_dsv4.kv.layout import Fp8Entry
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")]

@@ -8,7 +8,7 @@ as they are; each query becomes one kernel "request" of one token, its slots tur
 cache indices (``block * E + offset``, -1 empty; ``csrc_triton/cache_index.py``). Where the kernel
 does not apply (no FlashMLA, raw caches, ``d != 512``, more than 128 heads, pages not 16-byte
 aligned) the Triton kernel runs (the reason logged once), which is also this path's oracle
-(tests/model/test_flashmla_attention.py).
+(tests/ops/test_flashmla.py).
 
 The kernel takes 64 or 128 query heads: fewer heads are padded with zero queries. Slot lists are
 padded with -1 to a multiple of 128 (its index blocks are 64 wide, 128 on Blackwell's head-128

