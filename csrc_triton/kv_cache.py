@@ -22,20 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from csrc_triton.codec import (
-    bf16_decode,
-    e4m3_decode,
-    entry_mode,
-    entry_slots,
-    hardware_e4m3,
-    index_scale,
-    main_parts,
-    scale_exponent,
-    store_bf16_bytes,
-    store_e4m3,
-    store_index_scale,
-    store_scale_pad,
-    store_values,
-    ue8m0_decode,
+    bf16_decode, e4m3_decode, entry_mode, entry_slots, hardware_e4m3, index_scale, main_parts, scale_exponent,
+    store_bf16_bytes, store_e4m3, store_index_scale, store_scale_pad, store_values, ue8m0_decode,
 )
 from csrc_triton.formats import NOPE_BLOCK
 

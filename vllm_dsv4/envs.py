@@ -20,15 +20,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Switch:
-    """One environment variable: ``choices`` lists the documented values (any value when empty);
-    ``accepted`` the values ``read()`` takes (the documented ones unless given)."""
+    """One environment variable: ``choices`` lists the documented values (any value when empty); a
+    kernel-path switch (``or_reference``) also takes ``reference``, the value ``ops`` reports for it
+    where no kernels run."""
 
     name: str
     default: str | None
     audience: str  # "user", "benchmark" or "vllm"
     meaning: str
     choices: tuple[str, ...] = ()
-    accepted: tuple[str, ...] = ()
+    or_reference: bool = False
     through_vllm: bool = False  # read as vLLM parses it (vllm.envs), which owns its default and values
 
     def read(self, default: str | None = None) -> str:
@@ -39,7 +40,8 @@ class Switch:
 
             return getattr(vllm.envs, self.name)
         value = os.environ.get(self.name, self.default if default is None else default)
-        if self.choices and value not in (self.accepted or self.choices):
+        accepted = self.choices + (("reference",) if self.or_reference else ())
+        if self.choices and value not in accepted:
             quoted = [repr(c) for c in self.choices]
             raise ValueError(f"{self.name}={value!r}: use {', '.join(quoted[:-1])} or {quoted[-1]}")
         return value
@@ -49,68 +51,39 @@ class Switch:
         return os.environ.get(self.name)
 
 
-OPS = Switch(
-    "VLLM_DSV4_OPS", "triton", "benchmark",
-    "With CUDA, 'triton' runs our Triton kernels (and vLLM's GEMMs and attention kernels where they "
-    "apply); 'reference' runs the PyTorch references of csrc_triton instead, as the CPU path does, to "
-    "bisect a kernel against them. Without CUDA the references run whatever it says.",
-)
-MOE = Switch(
-    "VLLM_DSV4_MOE", "triton", "user",
-    "Packed MXFP4 experts on the GPU: 'triton', our fused MoE kernel; 'marlin', vLLM's Marlin MXFP4 MoE "
-    "(opt-in: its rows depend on the padding rows of a CUDA graph's batch, so graph decode can differ "
-    "from eager).",
-    choices=("triton", "marlin"), accepted=("triton", "marlin", "reference"),
-)
-OUT_PROJ = Switch(
-    "VLLM_DSV4_OUT_PROJ", "auto", "benchmark",
-    "wo_a with FP8 weights on the GPU: 'auto', our fused kernel up to ops.OUT_PROJ_FUSED_MAX_TOKENS "
-    "tokens, above it our de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM ships it (else "
-    "the RoPE kernel then a block-FP8 GEMM per head group); 'fused', 'grouped' and 'einsum' take one of "
-    "those paths at every size.",
-    choices=("auto", "grouped", "fused", "einsum"), accepted=("auto", "grouped", "fused", "einsum", "reference"),
-)
-ATTN = Switch(
-    "VLLM_DSV4_ATTN", "flashmla", "benchmark",
-    "Attention over the caches on the GPU: 'flashmla', FlashMLA's sparse decode and prefill kernels where "
-    "they apply (FP8 caches, head dim 512, Hopper or Blackwell), our Triton kernel otherwise; 'triton', "
-    "our Triton kernel everywhere.",
-    choices=("flashmla", "triton"), accepted=("flashmla", "triton", "reference"),
-)
-ATTN_QUERY_CHUNK = Switch(
-    "VLLM_DSV4_ATTN_QUERY_CHUNK", None, "benchmark",
-    "Queries attended per attention call, at most (default 8192 with the kernels, which read keys in "
-    "place; 2048 on the reference path, which gathers them).",
-)
-ATTN_CALL_BYTES = Switch(
-    "VLLM_DSV4_ATTN_CALL_BYTES", str(1 << 30), "benchmark",
-    "Bytes an attention call's slot lists and temporaries may take; calls take fewer queries past it "
-    "(vLLM's profile run binds no cache, so it never reserves them).",
-)
-WARMUP = Switch(
-    "VLLM_DSV4_WARMUP", "full", "user",
-    "'full': before the engine is ready, dummy steps compile every kernel variant serving can need; "
-    "'skip': none, a quicker start whose kernels compile when a step first needs them (seconds each, "
-    "stalling that step).",
-    choices=("full", "skip"),
-)
-BREAKABLE_CUDAGRAPH = Switch(
-    "VLLM_USE_BREAKABLE_CUDAGRAPH", None, "vllm",
-    "vLLM's breakable CUDA graphs: '1' on, '0' off, unset vLLM 0.26's default for DeepSeek-V4 (on). With "
-    "them a piecewise cudagraph_mode is kept (attention runs eager between graph pieces); without, "
-    "CUDA graphs are decode-only.",
-)
-DEEP_GEMM_WARMUP = Switch(
-    "VLLM_DEEP_GEMM_WARMUP", "relax", "vllm",
-    "vLLM's DeepGEMM warm-up sizes ('relax', 'full', 'skip'); our DeepGEMM-backed linears are warmed at "
-    "the same token counts.",
-    through_vllm=True,
-)
-PLUGINS = Switch(
-    "VLLM_PLUGINS", None, "vllm",
-    "vLLM's list of the general plugins to load (all installed ones when unset); `vllm-dsv4 ... --plugin "
-    "NAME` adds NAME to it.",
-)
+OPS = Switch("VLLM_DSV4_OPS", "triton", "benchmark", meaning=(
+    "With CUDA, 'triton' runs our Triton kernels (and vLLM's GEMMs and attention kernels where they apply); "
+    "'reference' runs the PyTorch references of csrc_triton instead, as the CPU path does, to bisect a kernel "
+    "against them. Without CUDA the references run whatever it says."))
+MOE = Switch("VLLM_DSV4_MOE", "triton", "user", choices=("triton", "marlin"), or_reference=True, meaning=(
+    "Packed MXFP4 experts on the GPU: 'triton', our fused MoE kernel; 'marlin', vLLM's Marlin MXFP4 MoE (opt-in: "
+    "its rows depend on the padding rows of a CUDA graph's batch, so graph decode can differ from eager)."))
+OUT_PROJ = Switch("VLLM_DSV4_OUT_PROJ", "auto", "benchmark", choices=("auto", "grouped", "fused", "einsum"),
+                  or_reference=True, meaning=(
+    "wo_a with FP8 weights on the GPU: 'auto', our fused kernel up to ops.OUT_PROJ_FUSED_MAX_TOKENS tokens, above "
+    "it our de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM ships it (else the RoPE kernel then a "
+    "block-FP8 GEMM per head group); 'fused', 'grouped' and 'einsum' take one of those paths at every size."))
+ATTN = Switch("VLLM_DSV4_ATTN", "flashmla", "benchmark", choices=("flashmla", "triton"), or_reference=True, meaning=(
+    "Attention over the caches on the GPU: 'flashmla', FlashMLA's sparse decode and prefill kernels where they "
+    "apply (FP8 caches, head dim 512, Hopper or Blackwell), our Triton kernel otherwise; 'triton', ours everywhere."))
+ATTN_QUERY_CHUNK = Switch("VLLM_DSV4_ATTN_QUERY_CHUNK", None, "benchmark", meaning=(
+    "Queries attended per attention call, at most (default 8192 with the kernels, which read keys in place; 2048 "
+    "on the reference path, which gathers them)."))
+ATTN_CALL_BYTES = Switch("VLLM_DSV4_ATTN_CALL_BYTES", str(1 << 30), "benchmark", meaning=(
+    "Bytes an attention call's slot lists and temporaries may take; calls take fewer queries past it (vLLM's "
+    "profile run binds no cache, so it never reserves them)."))
+WARMUP = Switch("VLLM_DSV4_WARMUP", "full", "user", choices=("full", "skip"), meaning=(
+    "'full': before the engine is ready, dummy steps compile every kernel variant serving can need; 'skip': none, "
+    "a quicker start whose kernels compile when a step first needs them (seconds each, stalling that step)."))
+BREAKABLE_CUDAGRAPH = Switch("VLLM_USE_BREAKABLE_CUDAGRAPH", None, "vllm", meaning=(
+    "vLLM 0.26's breakable CUDA graphs: '1' on, '0' off, unset on for DeepSeek-V4. With them a piecewise "
+    "cudagraph_mode is kept (attention runs eager between graph pieces); without, CUDA graphs are decode-only."))
+DEEP_GEMM_WARMUP = Switch("VLLM_DEEP_GEMM_WARMUP", "relax", "vllm", through_vllm=True, meaning=(
+    "vLLM's DeepGEMM warm-up sizes ('relax', 'full', 'skip'); our DeepGEMM-backed linears are warmed at the "
+    "same token counts."))
+PLUGINS = Switch("VLLM_PLUGINS", None, "vllm", meaning=(
+    "vLLM's list of the general plugins to load (all installed ones when unset); `vllm-dsv4 ... --plugin NAME` "
+    "adds NAME to it."))
 
 SWITCHES = (OPS, MOE, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES, WARMUP, BREAKABLE_CUDAGRAPH,
             DEEP_GEMM_WARMUP, PLUGINS)

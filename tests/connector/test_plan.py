@@ -7,20 +7,12 @@ import random
 import pytest
 import torch
 
+from tests.conftest import load_make_checkpoint
 from vllm_dsv4.config import Dsv4Config, LayerKind
 from vllm_dsv4.connector.plan import (
-    Group,
-    PrefixKeys,
-    chunk_tokens,
-    finish_ends,
-    history_ends,
-    history_positions,
-    loaded_window_positions,
-    resume_point,
-    save_ends,
-    window_positions,
+    Group, PrefixKeys, chunk_tokens, finish_ends, history_ends, history_positions, loaded_window_positions,
+    resume_point, save_ends, window_positions,
 )
-from tests.conftest import load_make_checkpoint
 from vllm_dsv4.kv.layout import layer_components
 
 CFG = Dsv4Config.from_dict(load_make_checkpoint().make_config("flash", num_layers=3))  # V4-Flash windows
