@@ -10,7 +10,7 @@ from tests.oracle.hf_oracle import load_hf_reference
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 256  # the cache block (compat.py sets it for DSV4); hits are whole blocks
+BLOCK = 256  # the cache block (patches.py sets it for DSV4); hits are whole blocks
 PREFIX = make_prompts([700], seed=4)[0]
 # Suffixes after the shared 700 tokens; the last prompt shares only 600 (a hit of 512 that ends
 # inside a C4 window pair and a C128 window, recomputing 88 shared tokens).
