@@ -146,16 +146,21 @@ def test_generated_tiny_randomises_zero_defaults(tiny_ckpt):
 
 
 def test_quantized_and_unquantized_store_the_same_function(tiny_ckpt, tiny_ckpt_unquantized):
-    from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
+    """The maker stores the unquantised checkpoint as its own dequantisation of the quantised one;
+    the oracle's bit-level decoders (written from the format definitions, not vllm_dsv4's) read
+    the quantised bytes to the same bf16 values."""
+    from tests.oracle.hf_oracle import oracle_dequant_fp8, oracle_dequant_mxfp4
 
     q, u = Checkpoint(tiny_ckpt), Checkpoint(tiny_ckpt_unquantized)
+    decoded = 0
     for name in u.names():
         a, b = q.get(name), u.get(name)
-        if a.dtype == E4M3:
-            a = dequant_fp8_block(a, q.get(name.replace(".weight", ".scale"))).to(BF16)
-        elif a.dtype == torch.int8:
-            a = dequant_mxfp4(a, q.get(name.replace(".weight", ".scale"))).to(BF16)
+        if a.dtype in (E4M3, torch.int8):
+            decode = oracle_dequant_fp8 if a.dtype == E4M3 else oracle_dequant_mxfp4
+            a = decode(a, q.get(name.replace(".weight", ".scale"))).to(BF16)
+            decoded += 1
         assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), name
+    assert decoded > 100  # every FP8 linear and MXFP4 expert matrix of the tiny model
 
 
 def test_same_seed_same_weights_other_seed_differs(tiny_ckpt, tmp_path, make_checkpoint_module):
