@@ -1,14 +1,16 @@
 """Routed experts kept as MXFP4 (model/moe.py ``Experts``, packed storage), on the CPU.
 
-The loader fills the packed parameters with the checkpoint's bytes, and the packed forward
-(``ops.moe_experts_mxfp4``: the reference here, the Triton kernel with CUDA) equals the dequantised
-storage's forward: the decode is exact, so both run the same fp32 expert math (1e-5). Under tensor
-parallelism each rank computes its own experts and the ranks' partial outputs sum to the whole.
+The loader fills the packed parameters with the checkpoint's bytes. The packed forward
+(``ops.moe_experts_mxfp4``: the reference here, the Triton kernel with CUDA) and the dequantised
+storage's forward both equal a naive fp64 loop over tokens and picks on the oracle's MXFP4 decode
+(tests/oracle/hf_oracle.py, independent of vllm_dsv4's), to 1e-5. Under tensor parallelism each rank
+computes its own experts: its partial output is the loop over its experts alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -43,10 +45,36 @@ def loaded(tiny_ckpt):
 
 def _routing(cfg: Dsv4Config, T: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, cfg.hidden_size, generator=g)
+    x = 8 * torch.randn(T, cfg.hidden_size, generator=g)  # large enough that the SwiGLU clamps bite
     weights = torch.rand(T, cfg.num_experts_per_tok, generator=g)
     ids = torch.randint(0, cfg.n_routed_experts, (T, cfg.num_experts_per_tok), generator=g)
     return x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
+
+
+def naive_experts(cfg: Dsv4Config, ckpt: Checkpoint, x, weights, ids, experts: range) -> torch.Tensor:
+    """§6 steps 4-5 in fp64, one token and one pick at a time, over the picks in ``experts``:
+    ``sum_j w_j W2 (silu(min(W1 x, L)) * clamp(W3 x, -L, L))`` with the oracle's decode of the
+    checkpoint's bytes. [T, D] float64 (CPU)."""
+    from tests.oracle.hf_oracle import oracle_dequant_mxfp4
+
+    weight = functools.cache(lambda e, w: oracle_dequant_mxfp4(
+        ckpt.get(f"{PREFIX}.{e}.{w}.weight"), ckpt.get(f"{PREFIX}.{e}.{w}.scale")).double())
+    limit = cfg.swiglu_limit
+    x, weights, ids = x.double().cpu(), weights.double().cpu(), ids.cpu()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            if e in experts:
+                gate, up = (weight(e, "w1") @ x[t]).clamp(max=limit), (weight(e, "w3") @ x[t]).clamp(-limit, limit)
+                out[t] += weights[t, j] * (weight(e, "w2") @ (gate * torch.sigmoid(gate) * up))
+    return out
+
+
+def assert_matches(out: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32 accumulation against fp64: 1e-5 relative to the output's scale."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    tol = 1e-5 * max(1.0, scale)
+    torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=1e-5)
 
 
 @pytest.mark.skipif(ops.MOE_BACKEND == "marlin", reason="finish_loading hands the experts to Marlin")
@@ -79,26 +107,27 @@ def test_packed_parameters_hold_the_checkpoint_bytes(loaded):
 
 
 @pytest.mark.parametrize("T", [0, 1, 9])
-def test_packed_forward_equals_dequantised(loaded, T):
-    cfg, _, packed, dense = loaded
+def test_packed_and_dequantised_forwards_equal_the_naive_loop(loaded, T):
+    cfg, ckpt, packed, dense = loaded
     x, weights, ids = _routing(cfg, T)
-    out = packed(x, weights, ids)
-    assert out.shape == (T, cfg.hidden_size) and out.dtype == x.dtype
-    torch.testing.assert_close(out, dense(x, weights, ids), atol=1e-5, rtol=1e-5)
+    want = naive_experts(cfg, ckpt, x, weights, ids, range(cfg.n_routed_experts))
+    for experts in (packed, dense):
+        out = experts(x, weights, ids)
+        assert out.shape == (T, cfg.hidden_size) and out.dtype == x.dtype
+        assert_matches(out, want)
 
 
-def test_tensor_parallel_ranks_sum_to_the_whole(loaded):
+def test_tensor_parallel_ranks_compute_their_own_experts(loaded):
     """Rank r of 2 holds experts [4r, 4r + 4) (packed); other ranks' picks are skipped."""
-    cfg, _, packed, _ = loaded
+    cfg, ckpt, packed, _ = loaded
     x, weights, ids = _routing(cfg, 7, seed=1)
     half = cfg.n_routed_experts // 2
-    partials = []
     for rank in range(2):
         local = Experts(cfg, Shard(rank, 2), on_gpu=True).to(DEVICE)
         for name, p in local.named_parameters():
             p.data.copy_(getattr(packed, name).data[rank * half : (rank + 1) * half])
-        partials.append(local(x, weights, ids))
-    torch.testing.assert_close(partials[0] + partials[1], packed(x, weights, ids), atol=1e-5, rtol=1e-5)
+        mine = range(rank * half, (rank + 1) * half)
+        assert_matches(local(x, weights, ids), naive_experts(cfg, ckpt, x, weights, ids, mine))
 
 
 def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
