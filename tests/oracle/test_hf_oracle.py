@@ -9,12 +9,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.oracle import hf_oracle  # noqa: E402
 from tests.oracle.hf_oracle import (  # noqa: E402
     hf_config_from_json,
     load_hf_reference,
     oracle_dequant_fp8,
     oracle_dequant_mxfp4,
 )
+from vllm_dsv4.loader.checkpoint import Checkpoint  # noqa: E402
 
 T_EQ = 136  # past token 127: the C128 layer emits its first compressed entry
 T_SPREAD = 64
@@ -76,3 +78,23 @@ def test_logits_not_degenerate(hf_models, prompt):
     assert (logits.std(dim=-1) > 0.1).all()
     top1 = logits.argmax(dim=-1)
     assert len(torch.unique(top1)) > T_SPREAD // 4, top1
+
+
+def test_oracle_names_are_transformers_own_conversion(tiny_ckpt_unquantized):
+    """transformers reads an official-format checkpoint through the conversion mapping it ships for
+    ``deepseek_v4`` (renames, experts merged into ``gate_up_proj`` / ``down_proj``). The oracle's
+    hand-written tables (official -> HF names) must build the same model tensor for tensor, and
+    every row of them must name a tensor of the tiny checkpoint, so the comparison covers it."""
+    from transformers import DeepseekV4ForCausalLM
+
+    theirs, info = DeepseekV4ForCausalLM.from_pretrained(
+        str(tiny_ckpt_unquantized), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"], info
+    theirs, ours = theirs.state_dict(), load_hf_reference(tiny_ckpt_unquantized).state_dict()
+    assert theirs.keys() == ours.keys()
+    assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+
+    names = Checkpoint(tiny_ckpt_unquantized).names()
+    unused = [row for row in hf_oracle._LAYER if not any(n.startswith("layers.") and n.endswith("." + row)
+                                                        for n in names)]
+    assert unused == [] and set(hf_oracle._TOP) <= set(names), unused
