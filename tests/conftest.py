@@ -1,7 +1,9 @@
-"""Shared pytest fixtures: tiny random checkpoints (generated once per session) and the `gpu` marker."""
+"""Shared pytest fixtures: tiny random checkpoints (generated once per session), the `gpu` marker, and
+the rule that a run without CUDA fails on a skip other than those tests/skips.py allows."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -12,6 +14,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from tests.skips import ALLOWED_WITHOUT_CUDA  # noqa: E402
 
 
 def load_module_by_path(path: str | Path, name: str | None = None) -> ModuleType:
@@ -80,6 +84,7 @@ def cpu_ops(monkeypatch):
         monkeypatch.setattr(ops, name, getattr(reference, name))
 
 
+@functools.cache
 def _cuda_available() -> bool:
     try:
         import torch
@@ -100,3 +105,35 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _fail_a_hidden_test(report, what: str) -> None:
+    """Without CUDA every test not marked ``gpu`` must run (CI runs on a CPU machine): an optional
+    dependency gone missing or a condition gone wrong would otherwise hide whole chains of tests."""
+    reason = _skip_reason(report)
+    if reason in ALLOWED_WITHOUT_CUDA:
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{what} skipped on a machine without CUDA, where it must run ({reason}); "
+                       "tests/skips.py lists the skips allowed there")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("gpu") is None
+            and not _cuda_available()):
+        _fail_a_hidden_test(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()
+    if report.skipped and not _cuda_available():
+        _fail_a_hidden_test(report, f"{collector.nodeid} (all of it)")

@@ -25,13 +25,12 @@ from torch import Tensor
 
 from csrc_triton import kv_cache_ref
 from csrc_triton.paged import CacheSource
+from tests.skips import KERNELS_RUN_INTERPRETED
 
 ON_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-SKIP_REASON = "" if ON_GPU or INTERPRET else (
-    "no CUDA: run the kernel tests in their own process, TRITON_INTERPRET=1 pytest tests/csrc_triton -k kernel"
-)
+SKIP_REASON = "" if ON_GPU or INTERPRET else KERNELS_RUN_INTERPRETED
 
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]

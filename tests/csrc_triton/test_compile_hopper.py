@@ -36,9 +36,10 @@ from tests.csrc_triton.kernel_cases import (  # noqa: E402
     kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, pool_windows_args,
     rms_norm_args, rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
 )
+from tests.skips import COMPILES_RUN_UNINTERPRETED  # noqa: E402
 from vllm_dsv4.kv.layout import Fp8Entry  # noqa: E402
 
-pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter replaces compiled kernels")
+pytestmark = pytest.mark.skipif(INTERPRET, reason=COMPILES_RUN_UNINTERPRETED)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 227 * 1024  # per block on H100 / H200

