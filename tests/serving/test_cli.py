@@ -96,7 +96,9 @@ def test_plugin_register_adds_serving_names_once(caplog):
 
     plugin.register()
     plugin.register()
-    assert TokenizerRegistry.tokenizers["dsv4_plugin"] == ("vllm_dsv4.serving.tokenizer", "Dsv4Tokenizer")
-    assert RENDERER_REGISTRY.renderers["dsv4_plugin"] == ("vllm.renderers.deepseek_v4", "DeepseekV4Renderer")
+    for mode, cls in {"dsv4_plugin": "Dsv4Tokenizer", "dsv4_preview": "Dsv4PreviewTokenizer",
+                      "dsv4_0731": "Dsv4Tokenizer0731"}.items():
+        assert TokenizerRegistry.tokenizers[mode] == ("vllm_dsv4.serving.tokenizer", cls)
+        assert RENDERER_REGISTRY.renderers[mode] == ("vllm_dsv4.serving.renderer", "Dsv4Renderer")
     assert ToolParserManager.get_tool_parser("dsv4_plugin").__name__ == "Dsv4ToolParser"
     assert "overwritten" not in caplog.text

@@ -1,12 +1,13 @@
-"""Golden DeepSeek-V4 prompts: our encoder against strings written by hand from the release's format
-(docs/MODEL.md §10 and the release's ``encoding/encoding_dsv4.py`` rules), never from our code.
+"""Golden DeepSeek-V4 prompts: our encoder against strings written by hand from the releases' format
+(docs/MODEL.md §10 and the releases' ``encoding/encoding_dsv4.py`` rules), never from our code; and against
+the release encoder vLLM 0.32 ships (the 0731 one) wherever it applies.
 """
 
 import json
 
 import pytest
 
-from vllm_dsv4.serving.encoding import EncodingError, chat_options, encode_request
+from vllm_dsv4.serving.encoding import PREVIEW, R0731, EncodingError, encode_request
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -18,6 +19,15 @@ MAX_EFFORT = (
     "rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+)
+# 0731's "max" (note the em dash)
+BEYOND_MAX_EFFORT = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively decompose "
+    "the problem into its most fundamental components, trace every causal chain to its root, and resolve the "
+    "underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are certain "
+    "that no assumption remains unchecked and no error remains undiscovered.\n\n"
 )
 
 WEATHER = {
@@ -240,3 +250,149 @@ def test_vllm_intree_mode_renders_the_0731_effort_table(tiny_ckpt):
     intree = DeepseekV4Tokenizer.from_pretrained(str(tiny_ckpt)).apply_chat_template([user("Hi")], tokenize=False)
     assert intree == f"{BOS}{MAX_EFFORT}{U}Hi{A}<think>"
     assert encode_request([user("Hi")]) == f"{BOS}{U}Hi{A}<think>"
+
+
+# Each release's rules, written out: OpenAI reasoning_effort (None: not given) -> the paragraph a thinking
+# request starts with. The preview has one paragraph, for its "max" (DeepSeek's API maps xhigh to max and
+# low / minimal / medium to high, which adds nothing); 0731 has "high" (the preview's paragraph) and "max"
+# (a new one), and vLLM's mapping (no effort -> high, minimal / medium -> low, xhigh -> high).
+EFFORT_RULES = {
+    "preview": {None: "", "minimal": "", "low": "", "medium": "", "high": "", "xhigh": MAX_EFFORT, "max": MAX_EFFORT},
+    "0731": {None: MAX_EFFORT, "minimal": "", "low": "", "medium": "", "high": MAX_EFFORT, "xhigh": MAX_EFFORT,
+             "max": BEYOND_MAX_EFFORT},
+}
+RELEASE = {"preview": PREVIEW, "0731": R0731}
+EFFORT_CASES = [(r, e) for r, table in EFFORT_RULES.items() for e in table]
+
+
+def effort_kwargs(effort):
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
+@pytest.mark.parametrize("release, effort", EFFORT_CASES)
+def test_effort_table_per_release(release, effort):
+    """Thinking mode: the release's paragraph before the first message; chat mode: none, whatever the effort."""
+    messages, rel = [{"role": "system", "content": "S"}, user("Hi")], RELEASE[release]
+    thinking = encode_request(messages, release=rel, **effort_kwargs(effort))
+    assert thinking == f"{BOS}{EFFORT_RULES[release][effort]}S{U}Hi{A}<think>"
+    chat = encode_request(messages, release=rel, thinking=False, **effort_kwargs(effort))
+    assert chat == f"{BOS}S{U}Hi{A}</think>"
+
+
+@pytest.mark.parametrize("release", sorted(RELEASE))
+def test_effort_none_and_unknown_values_per_release(release):
+    assert encode_request([user("Hi")], release=RELEASE[release], reasoning_effort="none") == f"{BOS}{U}Hi{A}</think>"
+    with pytest.raises(EncodingError, match="reasoning_effort"):
+        encode_request([user("Hi")], release=RELEASE[release], reasoning_effort="extreme")
+
+
+@pytest.fixture(scope="module")
+def vllm_encoder(tiny_ckpt):
+    """vLLM 0.32's deepseek_v4 tokenizer mode (its copy of the 0731 release encoder), as a string renderer."""
+    from transformers import TokenizersBackend
+    from vllm.tokenizers.deepseek_v4 import get_deepseek_v4_tokenizer
+
+    tok = get_deepseek_v4_tokenizer(TokenizersBackend.from_pretrained(str(tiny_ckpt)))
+    return lambda messages, tools=None, **kw: tok.apply_chat_template(messages, tools, tokenize=False, **kw)
+
+
+@pytest.mark.parametrize("effort", list(EFFORT_RULES["0731"]) + ["none"])
+def test_0731_release_equals_vllm_encoder(vllm_encoder, effort):
+    """Our 0731 table and request mapping against vLLM's, thinking by default and off."""
+    messages = [{"role": "system", "content": "S"}, user("Hi")]
+    for thinking in ({}, {"thinking": False}):
+        kw = {**effort_kwargs(effort), **thinking}
+        assert encode_request(messages, release=R0731, **kw) == vllm_encoder(messages, **kw)
+
+
+# Golden cases where vLLM's copy differs from the release's rules, and why.
+VLLM_DIFFERS = {
+    "trailing_system_opens_nothing": "vLLM #51262 opens an assistant turn after a trailing system message",
+    "unparsable_history_arguments_kept_as_string": "vLLM's chat parser coerces such arguments before its encoder, "
+                                                   "which raises on them; the release keeps them as one string",
+}
+PREVIEW_AS_0731 = {"high": "low", "max": "high"}  # a preview level -> the 0731 level with the same paragraph
+
+
+@pytest.mark.parametrize("name", sorted(set(GOLDEN) - set(VLLM_DIFFERS)))
+def test_golden_equals_vllm_encoder(vllm_encoder, name):
+    """The hand-written preview goldens through vLLM's encoder, asked for the 0731 level whose paragraph is the
+    preview level's; as vLLM's chat parser hands it messages (``reasoning``), and ``continue_final_message`` as
+    the release's ``wo_eos`` (vLLM's tokenizer mode does not translate it)."""
+    messages, extra, kwargs, expected = GOLDEN[name]
+    kw = dict(kwargs)
+    if kw.get("reasoning_effort") != "none":
+        level = PREVIEW.levels.get(kw.get("reasoning_effort"), PREVIEW.default)
+        kw["reasoning_effort"] = PREVIEW_AS_0731[level]
+    messages = [{("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()} for m in messages]
+    if kw.pop("continue_final_message", False):
+        messages[-1] = {**messages[-1], "wo_eos": True}
+    assert vllm_encoder(messages, extra.get("tools"), **kw) == expected
+
+
+def _checkpoint_files(src, dst, config_edit=None, encoder=None):
+    """A copy of ``src``'s tokenizer files and config (``config_edit(raw)`` applied; None: no config.json),
+    with ``encoder`` as the release encoder's source text when given."""
+    import shutil
+
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    if config_edit is not None:
+        raw = json.loads((src / "config.json").read_text())
+        config_edit(raw)
+        (dst / "config.json").write_text(json.dumps(raw))
+    if encoder is not None:
+        (dst / "encoding").mkdir()
+        (dst / "encoding" / "encoding_dsv4.py").write_text(encoder)
+    return dst
+
+
+def _dspark(raw):
+    raw.update(dspark_block_size=5, dspark_noise_token_id=2, dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=8)
+
+
+PREVIEW_ENCODER = 'REASONING_EFFORT_MAX = ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\\n")'
+ENCODER_0731 = PREVIEW_ENCODER + '\nMAX = "Reasoning Effort: Beyond maximum \\u2014 exhaustive"'
+RELEASE_CHECKPOINTS = {  # name -> (config edit, encoder source, release the plugin mode must pick)
+    "april_config": (lambda raw: None, None, "preview"),
+    "dspark_config": (_dspark, None, "0731"),
+    "dspark_config_preview_encoder": (_dspark, PREVIEW_ENCODER, "preview"),
+    "april_config_0731_encoder": (lambda raw: None, ENCODER_0731, "0731"),
+    "encoder_only": (None, ENCODER_0731, "0731"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASE_CHECKPOINTS))
+def test_release_told_from_the_checkpoint(tiny_ckpt, tmp_path, name):
+    """``dsv4_plugin`` takes the effort table of the encoder the checkpoint ships, else of its config's
+    era (DSpark keys: 0731); the forced modes take theirs whatever the checkpoint says."""
+    from vllm_dsv4.serving.tokenizer import Dsv4PreviewTokenizer, Dsv4Tokenizer, Dsv4Tokenizer0731
+
+    edit, encoder, release = RELEASE_CHECKPOINTS[name]
+    path = str(_checkpoint_files(tiny_ckpt, tmp_path / name, edit, encoder))
+    paragraph = {"preview": MAX_EFFORT, "0731": BEYOND_MAX_EFFORT}
+    for mode, want in ((Dsv4Tokenizer, release), (Dsv4PreviewTokenizer, "preview"), (Dsv4Tokenizer0731, "0731")):
+        tok = mode.from_pretrained(path)
+        assert tok.apply_chat_template([user("Hi")], tokenize=False, reasoning_effort="max") == \
+            f"{BOS}{paragraph[want]}{U}Hi{A}<think>", mode
+
+
+def test_release_that_cannot_be_told_is_an_error(tiny_ckpt, tmp_path):
+    from vllm_dsv4.serving.tokenizer import Dsv4Tokenizer
+
+    path = _checkpoint_files(tiny_ckpt, tmp_path / "bare")
+    with pytest.raises(ValueError, match="--tokenizer-mode dsv4_preview or dsv4_0731"):
+        Dsv4Tokenizer.from_pretrained(str(path))
+
+
+def test_rendering_scans_the_conversation_once(monkeypatch):
+    """Linear in the number of messages: the last user turn is found once per conversation, not per message."""
+    from vllm_dsv4.serving import encoding
+
+    calls = []
+    original = encoding.last_user_index
+    monkeypatch.setattr(encoding, "last_user_index", lambda messages: calls.append(1) or original(messages))
+    turns = [m for i in range(200) for m in (user(f"q{i}"), {"role": "assistant", "content": f"a{i}"})]
+    encode_request(turns + [user("last")])
+    assert len(calls) <= 2  # the dropped-reasoning pass and the rendering

@@ -119,6 +119,22 @@ def test_server_renders_the_golden_prompt(client, hf_tokenizer, name):
     assert r.prompt_token_ids == hf_tokenizer.encode(expected, add_special_tokens=False).ids
 
 
+@pytest.mark.parametrize("template_kwargs", [{}, {"tokenize": False}])
+def test_message_text_cannot_forge_turns(client, hf_tokenizer, template_kwargs):
+    """Message text spelling special tokens, DSML and <think> keeps the honest conversation's special ids and
+    reaches the model verbatim as ordinary tokens (vLLM asks the template for a string, and so may the request)."""
+    from tests.serving.test_message_text import FORGED_TURN, conversation, special_ids
+    from vllm_dsv4.serving.encoding import encode_request
+
+    def prompt_ids(text):
+        body = {"return_token_ids": True, "chat_template_kwargs": template_kwargs}
+        return chat(client, conversation(text)[:4], max_tokens=1, extra_body=body).prompt_token_ids  # fits 2k
+
+    ids = prompt_ids(FORGED_TURN)
+    assert special_ids(hf_tokenizer, ids) == special_ids(hf_tokenizer, prompt_ids("x"))
+    assert hf_tokenizer.decode(ids, skip_special_tokens=False) == encode_request(conversation(FORGED_TURN)[:4])
+
+
 def test_chat_shapes(client):
     """Random weights: shapes only. Thinking is on by default, so the output is reasoning."""
     r = chat(client, [{"role": "user", "content": "Hi"}], max_tokens=6)

@@ -1,7 +1,8 @@
 """OpenAI-compatible serving of DeepSeek-V4: what vLLM's in-tree pieces get wrong, under our own names.
 
-- tokenizer mode + renderer ``dsv4_plugin`` (``--tokenizer-mode dsv4_plugin``): the release's chat
-  encoding, ``encoding.py`` and ``tokenizer.py``;
+- tokenizer modes + renderer ``dsv4_plugin`` (``--tokenizer-mode dsv4_plugin``: the chat encoding of the
+  checkpoint's release), ``dsv4_preview`` and ``dsv4_0731`` (that release's): ``encoding.py``,
+  ``tokenizer.py`` and ``renderer.py``;
 - tool parser ``dsv4_plugin`` (``--tool-call-parser dsv4_plugin --enable-auto-tool-choice``): DSML tool
   calls, ``dsml.py`` and ``tool_parser.py``;
 - reasoning parser: vLLM's own ``deepseek_v4`` (``--reasoning-parser deepseek_v4``), correct as shipped
@@ -17,6 +18,7 @@ from __future__ import annotations
 from vllm_dsv4 import get_logger
 
 NAME = "dsv4_plugin"
+TOKENIZER_MODES = {NAME: "Dsv4Tokenizer", "dsv4_preview": "Dsv4PreviewTokenizer", "dsv4_0731": "Dsv4Tokenizer0731"}
 REASONING_PARSER = "deepseek_v4"
 SERVE_DEFAULTS = (  # what ``vllm-dsv4 serve`` adds unless the flag is given
     ("--tokenizer-mode", NAME),
@@ -29,7 +31,7 @@ _registered = False
 
 
 def register() -> None:
-    """Register the tokenizer mode, its renderer and the tool parser under ``NAME`` (idempotent)."""
+    """Register the tokenizer modes with their renderer, and the tool parser under ``NAME`` (idempotent)."""
     global _registered
     if _registered:
         return
@@ -40,7 +42,8 @@ def register() -> None:
     except ImportError as e:
         get_logger(__name__).warning("vllm-dsv4: serving names not registered (%s)", e)
         return
-    TokenizerRegistry.register(NAME, "vllm_dsv4.serving.tokenizer", "Dsv4Tokenizer")
-    RENDERER_REGISTRY.register(NAME, "vllm.renderers.deepseek_v4", "DeepseekV4Renderer")
+    for mode, tokenizer_class in TOKENIZER_MODES.items():
+        TokenizerRegistry.register(mode, "vllm_dsv4.serving.tokenizer", tokenizer_class)
+        RENDERER_REGISTRY.register(mode, "vllm_dsv4.serving.renderer", "Dsv4Renderer")
     ToolParserManager.register_lazy_module(NAME, "vllm_dsv4.serving.tool_parser", "Dsv4ToolParser")
     _registered = True

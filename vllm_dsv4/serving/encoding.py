@@ -1,6 +1,6 @@
-"""DeepSeek-V4 chat encoding: the rules of the release's ``encoding/encoding_dsv4.py`` (docs/MODEL.md §10).
+"""DeepSeek-V4 chat encoding: the rules of the releases' ``encoding/encoding_dsv4.py`` (docs/MODEL.md §10).
 
-A conversation becomes one prompt string::
+A conversation becomes one prompt::
 
     BOS [effort preamble] system [\\n\\n## Tools ...] <｜User｜>user <｜Assistant｜><think>|</think>
         [reasoning</think>] content [\\n\\n<｜DSML｜tool_calls>...</｜DSML｜tool_calls>] EOS <｜User｜>...
@@ -9,9 +9,16 @@ A conversation becomes one prompt string::
   sorted by the order of the calls in the preceding assistant turn.
 - Thinking mode opens the answer with ``<think>``, chat mode with ``</think>``. Reasoning of assistant
   turns before the last user turn is dropped, unless any message carries tools.
-- ``reasoning_effort="max"`` (thinking mode only) prepends a fixed paragraph; ``"high"``/``None`` add
-  nothing. vLLM 0.32's copy of the encoder carries the later 0731 checkpoint's three-level table
-  instead (``high`` = this release's ``max`` text), which is why the plugin ships its own.
+- In thinking mode the first message is preceded by the reasoning-effort preamble of the release's
+  table (``Release``): the April preview has one paragraph ("Absolute maximum", its ``max``), the 0731
+  release two (``high`` = that paragraph, ``max`` = "Beyond maximum"). vLLM 0.32's copy of the encoder
+  carries the 0731 table only.
+
+The prompt is kept as ``Prompt`` pieces: *markup* the template writes (a special-token string there is
+the special token) and *text* from the request's messages (user and tool-result text, assistant turns
+sent back, tool-call arguments), which stays ordinary text whatever it spells, so that no message can
+forge a turn, a tool call or its result. System and developer prompts and tool definitions are markup,
+as in the release. ``tokenizer.py`` turns the pieces into token ids.
 
 Only the request-facing pieces live here; no vLLM imports, so the rules can be tested on their own.
 """
@@ -20,7 +27,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -36,7 +44,7 @@ TASK_TOKENS = {
     "read_url": "<｜read_url｜>",
 }
 
-REASONING_EFFORT_MAX = (
+ABSOLUTE_MAXIMUM = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
     "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
@@ -44,10 +52,37 @@ REASONING_EFFORT_MAX = (
     "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
+BEYOND_MAXIMUM = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
 
-# OpenAI-style request values -> the release's levels (DeepSeek's API maps low/medium to high, xhigh to max).
-# "none" switches thinking off; anything else is a 400.
-EFFORT_LEVELS = {"minimal": "high", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+
+@dataclass(frozen=True)
+class Release:
+    """A release's reasoning-effort table: ``preambles`` (its level -> the text prepended in thinking
+    mode), ``levels`` (OpenAI ``reasoning_effort`` -> its level; ``"none"`` is chat mode) and ``default``
+    (the level of a thinking request that names none)."""
+
+    name: str
+    preambles: Mapping[str, str]
+    levels: Mapping[str, str]
+    default: str
+
+
+# The April preview: two levels, DeepSeek's API mapping (low / medium -> high, xhigh -> max).
+PREVIEW = Release(
+    "preview", {"high": "", "max": ABSOLUTE_MAXIMUM},
+    {"minimal": "high", "low": "high", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}, "high")
+# 0731 (and the releases after it): three levels, vLLM 0.32's request mapping for them.
+R0731 = Release(
+    "0731", {"low": "", "high": ABSOLUTE_MAXIMUM, "max": BEYOND_MAXIMUM},
+    {"minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "high", "max": "max"}, "high")
+RELEASES = {r.name: r for r in (PREVIEW, R0731)}
 
 TOOLS_TEMPLATE = """## Tools
 
@@ -85,6 +120,25 @@ class EncodingError(ValueError):
     """A conversation the DeepSeek-V4 format cannot express (vLLM answers 400 for ValueError)."""
 
 
+class Prompt:
+    """A prompt as ``pieces``: ``(string, is_markup)``. Markup is the template's own text (special-token
+    strings in it are special tokens); the rest is message text, always ordinary text."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[str, bool]] = []
+
+    def markup(self, string: str) -> None:
+        if string:
+            self.pieces.append((string, True))
+
+    def text(self, string: str) -> None:
+        if string:
+            self.pieces.append((string, False))
+
+    def __str__(self) -> str:
+        return "".join(string for string, _ in self.pieces)
+
+
 def to_json(value: Any) -> str:
     """JSON as the release writes it (``ensure_ascii=False``, default separators)."""
     return json.dumps(value, ensure_ascii=False)
@@ -116,33 +170,37 @@ def text_of(content: Any) -> str:
     return "\n\n".join(parts)
 
 
-def encode_arguments(arguments: Any) -> str:
-    """A history tool call's arguments as DSML parameter lines (strings raw, everything else JSON)."""
+def parse_arguments(arguments: Any) -> dict:
+    """A history tool call's arguments as an object (the release keeps unparsable ones as one string)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:  # the release keeps unparsable arguments as one string parameter
+        except json.JSONDecodeError:
             arguments = {"arguments": arguments}
     if not isinstance(arguments, dict):
         raise EncodingError(f"tool call arguments must be a JSON object, got {to_json(arguments)[:80]}")
-    return "\n".join(
-        f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-        f"{v if isinstance(v, str) else to_json(v)}</{DSML}parameter>"
-        for k, v in arguments.items()
-    )
+    return arguments
 
 
-def render_tool_calls(tool_calls: list[dict]) -> str:
-    """``\\n\\n<｜DSML｜tool_calls>`` block of an assistant turn (OpenAI ``tool_calls`` in)."""
-    invokes = []
-    for call in tool_calls:
+def render_tool_calls(prompt: Prompt, tool_calls: list[dict]) -> None:
+    """``\\n\\n<｜DSML｜tool_calls>`` block of an assistant turn (OpenAI ``tool_calls`` in); names and
+    arguments are message text, strings raw and everything else JSON."""
+    prompt.markup(f"\n\n<{DSML}tool_calls>\n")
+    for i, call in enumerate(tool_calls):
         fn = call.get("function") or {}
         if not fn.get("name"):
             raise EncodingError("assistant tool call without a function name")
-        invokes.append(
-            f'<{DSML}invoke name="{fn["name"]}">\n{encode_arguments(fn.get("arguments", {}))}\n</{DSML}invoke>'
-        )
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+        prompt.markup(("\n" if i else "") + f'<{DSML}invoke name="')
+        prompt.text(str(fn["name"]))
+        prompt.markup('">\n')
+        for j, (key, value) in enumerate(parse_arguments(fn.get("arguments", {})).items()):
+            prompt.markup(("\n" if j else "") + f'<{DSML}parameter name="')
+            prompt.text(str(key))
+            prompt.markup(f'" string="{"true" if isinstance(value, str) else "false"}">')
+            prompt.text(value if isinstance(value, str) else to_json(value))
+            prompt.markup(f"</{DSML}parameter>")
+        prompt.markup(f"\n</{DSML}invoke>")
+    prompt.markup(f"\n</{DSML}tool_calls>")
 
 
 def merge_tool_messages(messages: list[dict]) -> list[dict]:
@@ -203,58 +261,69 @@ def last_user_index(messages: list[dict]) -> int:
     return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)
 
 
-def render_user(msg: dict) -> str:
+def render_user(prompt: Prompt, msg: dict) -> None:
     """``<｜User｜>`` and the turn's text and ``<tool_result>`` blocks, joined by blank lines."""
+    prompt.markup(USER)
     blocks = msg.get("content_blocks")
     if not blocks:
-        return USER + text_of(msg.get("content"))
-    parts = [b["text"] if b["type"] == "text" else f"<tool_result>{text_of(b.get('content'))}</tool_result>"
-             for b in blocks]
-    return USER + "\n\n".join(parts)
+        prompt.text(text_of(msg.get("content")))
+        return
+    for i, block in enumerate(blocks):
+        prompt.markup("\n\n" if i else "")
+        if block["type"] == "text":
+            prompt.text(block["text"])
+        else:
+            prompt.markup("<tool_result>")
+            prompt.text(text_of(block.get("content")))
+            prompt.markup("</tool_result>")
 
 
-def render_message(i: int, messages: list[dict], thinking: bool, drop: bool, effort: str | None) -> str:
-    """One message plus, after a user/developer turn, the assistant opener (``render_message``)."""
-    msg, last_user = messages[i], last_user_index(messages)
+def render_message(prompt: Prompt, i: int, messages: list[dict], last_user: int, thinking: bool, drop: bool,
+                   preamble: str) -> None:
+    """One message plus, after a user/developer turn, the assistant opener (``render_message``);
+    ``last_user`` is ``last_user_index(messages)``, worked out once per conversation."""
+    msg = messages[i]
     role = msg.get("role")
-    out = REASONING_EFFORT_MAX if (i == 0 and thinking and effort == "max") else ""
+    prompt.markup(preamble if i == 0 and thinking else "")
     extras = ""
     if msg.get("tools"):
         extras += "\n\n" + render_tools(msg["tools"])
     if msg.get("response_format"):
         extras += "\n\n" + RESPONSE_FORMAT_TEMPLATE.format(schema=to_json(msg["response_format"]))
     if role == "system":
-        out += text_of(msg.get("content")) + extras
+        prompt.markup(text_of(msg.get("content")) + extras)
     elif role == "developer":
         if not text_of(msg.get("content")):
             raise EncodingError("a developer message needs content")
-        out += USER + text_of(msg.get("content")) + extras
+        prompt.markup(USER + text_of(msg.get("content")) + extras)
     elif role == "user":
-        out += render_user(msg)
+        render_user(prompt, msg)
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + text_of(msg.get("content"))
+        prompt.markup(LATEST_REMINDER)
+        prompt.text(text_of(msg.get("content")))
     elif role == "assistant":
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
         prev_task = i > 0 and messages[i - 1].get("task") is not None
-        think = reasoning + THINK_END if thinking and not prev_task and (not drop or i > last_user) else ""
-        calls = render_tool_calls(msg["tool_calls"]) if msg.get("tool_calls") else ""
-        out += think + text_of(msg.get("content")) + calls + ("" if msg.get("wo_eos") else EOS)
+        if thinking and not prev_task and (not drop or i > last_user):
+            prompt.text(msg.get("reasoning_content") or msg.get("reasoning") or "")
+            prompt.markup(THINK_END)
+        prompt.text(text_of(msg.get("content")))
+        if msg.get("tool_calls"):
+            render_tool_calls(prompt, msg["tool_calls"])
+        prompt.markup("" if msg.get("wo_eos") else EOS)
     else:
         raise EncodingError(f"DeepSeek-V4 has no {role!r} role")
 
     if i + 1 < len(messages) and messages[i + 1].get("role") not in ("assistant", "latest_reminder"):
-        return out
+        return
     task = msg.get("task")
     if task is not None:
         if task not in TASK_TOKENS:
             raise EncodingError(f"unknown task {task!r}; one of {sorted(TASK_TOKENS)}")
-        if task != "action":
-            return out + TASK_TOKENS[task]
-        return out + ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
-    if role in ("user", "developer"):
+        opener = "" if task != "action" else ASSISTANT + (THINK_START if thinking else THINK_END)
+        prompt.markup(opener + TASK_TOKENS[task])
+    elif role in ("user", "developer"):
         opens_thinking = thinking and (not drop or i >= last_user)
-        out += ASSISTANT + (THINK_START if opens_thinking else THINK_END)
-    return out
+        prompt.markup(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
 
 
 def encode_messages(
@@ -262,17 +331,20 @@ def encode_messages(
     *,
     thinking: bool,
     reasoning_effort: str | None = None,
+    release: Release = PREVIEW,
     drop_thinking_history: bool = True,
     add_bos: bool = True,
-) -> str:
+) -> Prompt:
     """The prompt of a conversation (OpenAI-style messages; ``tools`` on a system/developer message).
 
-    ``reasoning_effort`` is the release's level: ``None``, ``"high"`` or ``"max"``.
+    ``reasoning_effort`` is one of the release's levels (``release.preambles``), None for its default.
     """
     if not messages:
         raise EncodingError("messages must not be empty")
-    if reasoning_effort not in (None, "high", "max"):
-        raise EncodingError(f"reasoning_effort must be None, 'high' or 'max', got {reasoning_effort!r}")
+    level = release.default if reasoning_effort is None else reasoning_effort
+    if level not in release.preambles:
+        raise EncodingError(f"reasoning_effort must be one of the {release.name} release's levels "
+                            f"{sorted(release.preambles)} or None, got {reasoning_effort!r}")
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise EncodingError(f"every message needs a role: {str(msg)[:80]}")
@@ -280,17 +352,20 @@ def encode_messages(
     drop = drop_thinking_history and not any(m.get("tools") for m in messages)
     if thinking and drop:
         messages = drop_thinking(messages)
-    prompt = (BOS if add_bos else "") + "".join(
-        render_message(i, messages, thinking, drop, reasoning_effort) for i in range(len(messages)))
+    prompt = Prompt()
+    prompt.markup(BOS if add_bos else "")
+    last_user = last_user_index(messages)
+    for i in range(len(messages)):
+        render_message(prompt, i, messages, last_user, thinking, drop, release.preambles[level])
     try:
-        prompt.encode("utf-8")
+        str(prompt).encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in the request JSON)
-        raise EncodingError(f"messages contain invalid Unicode (unpaired surrogate {prompt[e.start]!r})") from None
+        raise EncodingError(f"messages contain invalid Unicode (unpaired surrogate {e.object[e.start]!r})") from None
     return prompt
 
 
-def chat_options(kwargs: dict) -> tuple[bool, str | None]:
-    """``(thinking, effort)`` from vLLM's chat-template kwargs.
+def chat_options(kwargs: dict, release: Release = PREVIEW) -> tuple[bool, str | None]:
+    """``(thinking, release level)`` from vLLM's chat-template kwargs.
 
     Thinking is on unless ``thinking``/``enable_thinking`` is given and false, or ``reasoning_effort`` is
     ``"none"``: the same rule as vLLM's ``deepseek_v4`` reasoning parser, which must agree with the prompt.
@@ -301,16 +376,17 @@ def chat_options(kwargs: dict) -> tuple[bool, str | None]:
     effort = kwargs.get("reasoning_effort")
     if effort is None or effort == "none":
         return thinking and effort != "none", None
-    if not isinstance(effort, str) or effort not in EFFORT_LEVELS:
-        raise EncodingError(f"reasoning_effort must be one of none, {', '.join(EFFORT_LEVELS)}; got {effort!r}")
-    return thinking, EFFORT_LEVELS[effort]
+    if not isinstance(effort, str) or effort not in release.levels:
+        raise EncodingError(f"reasoning_effort must be one of none, {', '.join(release.levels)}; got {effort!r}")
+    return thinking, release.levels[effort]
 
 
-def encode_request(messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
+def render_request(messages: list[dict], tools: list[dict] | None = None, *, release: Release = PREVIEW,
+                   **kwargs) -> Prompt:
     """What the tokenizer's ``apply_chat_template`` renders: request tools go on the first system message
     (one is inserted at the front when there is none); ``continue_final_message`` leaves a final
     assistant turn open (no EOS)."""
-    thinking, effort = chat_options(kwargs)
+    thinking, effort = chat_options(kwargs, release)
     messages = list(messages)
     if tools:
         at = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
@@ -320,5 +396,10 @@ def encode_request(messages: list[dict], tools: list[dict] | None = None, **kwar
         messages[at] = {**messages[at], "tools": tools}
     if kwargs.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
         messages[-1] = {**messages[-1], "wo_eos": True}
-    return encode_messages(messages, thinking=thinking, reasoning_effort=effort,
+    return encode_messages(messages, thinking=thinking, reasoning_effort=effort, release=release,
                            drop_thinking_history=kwargs.get("drop_thinking", True))
+
+
+def encode_request(messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
+    """``render_request`` as one string (the form ``apply_chat_template(tokenize=False)`` returns)."""
+    return str(render_request(messages, tools, **kwargs))
