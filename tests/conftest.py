@@ -59,6 +59,12 @@ def tiny_ckpt(tmp_path_factory, make_checkpoint_module) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_base_ckpt(tmp_path_factory, make_checkpoint_module) -> Path:
+    """TINY in V4-Flash-Base's format (FP8 linears and routed experts, float32 scales), seed 0. Read-only."""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_base"), "tiny-base", seed=0)
+
+
+@pytest.fixture(scope="session")
 def ktiny_ckpt(tmp_path_factory, make_checkpoint_module) -> Path:
     """Kernel-shaped preset (head_dim 512, rope 64, indexer 16x128, top-64; every FP8 linear whole
     128x128 blocks), FP8 + MXFP4, seed 0. Read-only."""

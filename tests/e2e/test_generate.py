@@ -155,11 +155,15 @@ def test_warm_up_steps_take_both_attention_paths_and_change_no_output(tmp_path_f
         assert torch.equal(warmed["prompt_logprobs"], plain["prompt_logprobs"])
 
 
-def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(tmp_path_factory, tiny_ckpt):
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_base_ckpt"])
+def test_quantized_checkpoint_matches_transformers_on_dequantized_weights(request, tmp_path_factory, checkpoint):
+    """The release formats (FP8 linears with MXFP4 experts and e8m0 scales; V4-Flash-Base's FP8 experts and
+    float32 scales) dequantised at load."""
+    path = request.getfixturevalue(checkpoint)
     prompts = [REFERENCE_PROMPTS[i] for i in (1, 3)]  # 7 and 300 tokens: every layer kind engaged
-    result = run_vllm(tmp_path_factory.mktemp("quant"), tiny_ckpt, UNCHUNKED_ENGINE,
+    result = run_vllm(tmp_path_factory.mktemp("quant"), path, UNCHUNKED_ENGINE,
                       [{"prompts": prompts, "logprobs": True}], "quant")
-    model = load_hf_reference(tiny_ckpt)  # dequantised independently of the plugin's loader
+    model = load_hf_reference(path)  # dequantised independently of the plugin's loader
     with torch.no_grad():
         for prompt, ours in zip(prompts, result["batches"][0]):
             ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)

@@ -387,3 +387,71 @@ def test_tokenizer_special_tokens(tiny_ckpt):
     # Markers stay visible when special tokens are skipped (reasoning / tool parsers need them).
     assert enc.thinking_start_token in tok.decode(ids, skip_special_tokens=True)
     assert tok.decode(ids, skip_special_tokens=True).find(enc.bos_token) == -1
+
+
+# ---- V4-Flash-Base: FP8 routed experts, float32 scales (release_checkpoints.md §2) -----------------
+
+
+def test_flash_base_table_matches_spec(make_checkpoint_module):
+    """Routed experts are FP8 128x128 blocks, not packed; every block scale is float32."""
+    raw = make_checkpoint_module.make_config("flash-base")
+    assert raw["expert_dtype"] == "fp8" and raw["quantization_config"]["weight_block_size"] == [128, 128]
+    t = expected_tensors(Dsv4Config.from_dict(raw))
+    S = TensorSpec
+    want = {
+        "layers.5.ffn.experts.255.w1.weight": S((2048, 4096), E4M3),
+        "layers.5.ffn.experts.255.w1.scale": S((16, 32), F32),
+        "layers.0.ffn.experts.0.w2.weight": S((4096, 2048), E4M3),
+        "layers.0.ffn.experts.0.w2.scale": S((32, 16), F32),
+        "layers.3.ffn.experts.7.w3.scale": S((16, 32), F32),
+        "layers.0.attn.wq_a.scale": S((8, 32), F32),
+        "layers.2.attn.indexer.wq_b.scale": S((64, 8), F32),
+        "layers.0.ffn.shared_experts.w2.scale": S((32, 16), F32),
+        "mtp.0.e_proj.scale": S((32, 32), F32),
+        "mtp.0.ffn.experts.9.w2.weight": S((4096, 2048), E4M3),
+        "layers.3.ffn.gate.bias": S((256,), F32),
+        "layers.2.attn.compressor.wkv.weight": S((1024, 4096), BF16),
+    }
+    for name, spec in want.items():
+        assert t.get(name) == spec, (name, t.get(name), spec)
+    assert not any(s.dtype in (E8M0, torch.int8) for s in t.values())
+
+
+def test_generated_tiny_base_validates(tiny_base_ckpt):
+    from vllm_dsv4.loader.kinds import kind_of, kind_of_tensors
+
+    cfg, ckpt = Dsv4Config.from_pretrained(tiny_base_ckpt), Checkpoint(tiny_base_ckpt)
+    validate(cfg, ckpt)
+    assert kind_of(cfg).name == kind_of_tensors(ckpt.specs()).name == "base"
+    scales = [n for n in ckpt.names() if n.endswith(".scale")]
+    assert scales and all(ckpt.spec(n).dtype == F32 for n in scales)
+    assert ckpt.spec("layers.2.ffn.experts.5.w2.weight") == TensorSpec((64, 32), E4M3)
+    s = ckpt.get("layers.2.ffn.experts.5.w2.scale")
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
+
+
+@pytest.mark.parametrize("tensors, expert_dtype, found, fix", [
+    ("tiny_base_ckpt", "fp4", "DeepSeek-V4-Flash-Base (FP8 routed experts, float32 scales", "'fp8'"),
+    ("tiny_ckpt", "fp8", "DeepSeek-V4-Flash / V4-Pro (MXFP4 routed experts, e8m0 scales", "'fp4'"),
+])
+def test_tensors_of_another_kind_are_named_first(request, tmp_path, tensors, expert_dtype, found, fix):
+    src = request.getfixturevalue(tensors)
+    config = json.loads((src / "config.json").read_text())
+    config["expert_dtype"] = expert_dtype
+    msg = problems_of(rewrite(src, tmp_path / "c", config=config))
+    first = msg.split("\n  ")[1]
+    assert f"but the tensors are {found}" in first and f"set expert_dtype {fix}" in first, first
+
+
+def test_base_tensor_problems_are_named(tiny_base_ckpt, tmp_path):
+    t = load_all(tiny_base_ckpt)
+    t["layers.1.attn.wq_b.scale"] = t["layers.1.attn.wq_b.scale"].to(E8M0)  # an e8m0 scale in a Base checkpoint
+    del t["layers.2.ffn.experts.4.w1.scale"]
+    t["mtp.0.ffn.experts.1.w2.weight"] = t["mtp.0.ffn.experts.1.w2.weight"][:, :16]
+    msg = problems_of(rewrite(tiny_base_ckpt, tmp_path / "c", t))
+    assert "layers.1.attn.wq_b.scale: expected dtype (2, 1) float32, found (2, 1) float8_e8m0fnu" in msg
+    assert ("layers.2.ffn.experts.4.w1.scale: missing block scale of quantized weight "
+            "layers.2.ffn.experts.4.w1.weight (expected (1, 1) float32)") in msg
+    assert ("mtp.0.ffn.experts.1.w2.weight: expected shape (64, 32) float8_e4m3fn, "
+            "found (64, 16) float8_e4m3fn") in msg
+    assert "3 problem" in msg

@@ -90,6 +90,25 @@ def test_mtp_draft_load_places_the_mtp_tensors_only(quantized):
     assert torch.equal(params["mtp.0.hc_head.base"].data, ckpt.get("mtp.0.hc_head_base").float())
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_base_checkpoint_fills_every_parameter_with_independently_dequantised_values(tiny_base_ckpt, mtp):
+    """V4-Flash-Base (FP8 routed experts, float32 scales): dequantised at load (the CPU path), FP8 experts
+    and linears alike, for the main model and the MTP draft."""
+    cfg, ckpt = Dsv4Config.from_pretrained(tiny_base_ckpt), Checkpoint(tiny_base_ckpt)
+    params = empty_params(cfg, ckpt, mtp=mtp)
+    assert load_official_weights(cfg, stream(ckpt), params, mtp=mtp) == set(params)
+    for name, p in params.items():
+        assert not torch.isnan(p.data.float()).any(), name
+    block, i = ("mtp.0" if mtp else "layers.2"), cfg.moe_intermediate_size
+    for e, linear, rows in ((5, "w1", slice(None, i)), (5, "w3", slice(i, None)), (6, "w2", slice(None))):
+        official = f"{block}.ffn.experts.{e}.{linear}"
+        ref = oracle_dequant_fp8(ckpt.get(f"{official}.weight"), ckpt.get(f"{official}.scale"))
+        got = params[f"{block}.ffn.experts.{'w2' if linear == 'w2' else 'w13'}"].data[e, rows]
+        assert torch.equal(got.float(), ref.float()), official
+    ref = oracle_dequant_fp8(ckpt.get(f"{block}.attn.wq_b.weight"), ckpt.get(f"{block}.attn.wq_b.scale"))
+    assert torch.equal(params[f"{block}.attn.wq_b.weight"].data.float(), ref.float())
+
+
 def test_missing_scale_is_named(quantized):
     cfg, ckpt = quantized
     with pytest.raises(CheckpointError, match=r"layers\.0\.attn\.wkv\.scale"):
@@ -106,6 +125,20 @@ def test_nan_block_scales_are_named(quantized, name):
     problem = rf"{name.replace('.', '[.]')}: 2 of {scale.numel()} block scales are NaN"
     with pytest.raises(CheckpointError, match=problem):
         load_official_weights(cfg, stream(ckpt, replace={name: scale}), empty_params(cfg, ckpt))
+
+
+def test_base_scales_that_are_not_powers_of_two_are_named(tiny_base_ckpt):
+    """V4-Flash-Base's float32 scales are powers of two (the GPU path's FP8 GEMMs rely on it): NaN, inf,
+    negative and in-between values are named; 0 (an all-zero block) is not."""
+    cfg, ckpt = Dsv4Config.from_pretrained(tiny_base_ckpt), Checkpoint(tiny_base_ckpt)
+    name = "layers.3.ffn.shared_experts.w2.scale"
+    for bad in (float("nan"), float("inf"), -0.25, 0.375):
+        scale = ckpt.get(name).clone()
+        scale.view(-1)[0] = bad
+        with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}: 1 of 1 block scales are not a power"):
+            load_official_weights(cfg, stream(ckpt, replace={name: scale}), empty_params(cfg, ckpt))
+    zero = torch.zeros_like(ckpt.get(name))
+    load_official_weights(cfg, stream(ckpt, replace={name: zero}), empty_params(cfg, ckpt))
 
 
 def test_wrong_shape_is_named_with_expectation(quantized):

@@ -98,3 +98,19 @@ def test_oracle_names_are_transformers_own_conversion(tiny_ckpt_unquantized):
     unused = [row for row in hf_oracle._LAYER if not any(n.startswith("layers.") and n.endswith("." + row)
                                                         for n in names)]
     assert unused == [] and set(hf_oracle._TOP) <= set(names), unused
+
+
+@pytest.mark.parametrize("fixture", ["tiny_ckpt", "tiny_base_ckpt"])
+def test_transformers_reads_the_release_formats_as_the_oracle_does(request, fixture, prompt):
+    """transformers loading the checkpoint itself (its FP8 quantizer's dequantize mode: ``.scale`` read as
+    ``weight_scale_inv``; e8m0 or float32 scales; MXFP4 or FP8 routed experts) computes the oracle's logits
+    bit for bit: the oracle's decoders and names read both formats as transformers does. (transformers'
+    FP8 loading needs ``accelerate``: scripts/install.sh installs it.)"""
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    path = request.getfixturevalue(fixture)
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                               quantization_config=FineGrainedFP8Config(dequantize=True))
+    hf = hf.float().eval()  # its unquantized bf16 tensors (embedding, norms, router) as stored: exact in fp32
+    with torch.no_grad():
+        assert torch.equal(hf(prompt).logits, load_hf_reference(path)(prompt).logits)

@@ -5,8 +5,8 @@ loader, the validator and the test-checkpoint maker (scripts/make_checkpoint.py)
 
 Dtypes:
 * FP8 linears (``wq_a wq_b wkv wo_a wo_b indexer.wq_b shared_experts.* mtp e_proj/h_proj``):
-  ``float8_e4m3fn`` + ``<name>.scale`` ``float8_e8m0fnu`` [ceil(out/128), ceil(in/128)]
-  (float32 power-of-two scales in the ``expert_dtype == "fp8"`` variant, V4-Flash-Base).
+  ``float8_e4m3fn`` + ``<name>.scale`` [ceil(out/128), ceil(in/128)], ``float8_e8m0fnu`` or float32
+  powers of two as the checkpoint's kind says (``kinds.py``: V4-Flash-Base has float32).
 * routed experts: MXFP4 int8 [out, in/2] + ``.scale`` e8m0 [out, in/32] (``expert_dtype == "fp4"``)
   or FP8 block like the linears (``"fp8"``).
 * unquantized config (no ``quantization_config``): all of the above are bf16, no ``.scale``.
@@ -27,6 +27,7 @@ import torch
 
 from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK
 from vllm_dsv4.config import Dsv4Config, LayerKind
+from vllm_dsv4.loader.kinds import kind_of, kind_problem
 
 MAX_REPORTED_PROBLEMS = 10
 
@@ -81,8 +82,8 @@ def scale_name(weight_name: str) -> str:
 
 
 def fp8_scale_dtype(cfg: Dsv4Config) -> torch.dtype:
-    """e8m0 in the released FP4-expert checkpoints; float32 (pow-2 values) in the FP8-expert Base."""
-    return torch.float32 if cfg.expert_dtype == "fp8" else torch.float8_e8m0fnu
+    """The FP8 block scales' dtype of a quantized checkpoint's kind: e8m0, or float32 (V4-Flash-Base)."""
+    return kind_of(cfg).scale
 
 
 class _Table:
@@ -396,21 +397,25 @@ def _problems(cfg: Dsv4Config, found: dict[str, TensorSpec]) -> list[str]:
     return problems
 
 
-def nan_scales(name: str, scale: torch.Tensor) -> str | None:
-    """The problem with a block-scale tensor holding NaN (e8m0 byte 255; a non-finite float32 scale):
-    every weight of such a block would be NaN."""
+def scale_problem(name: str, scale: torch.Tensor) -> str | None:
+    """The problem with a block-scale tensor: e8m0 byte 255 is NaN (every weight of its block would be);
+    a float32 scale (V4-Flash-Base) must be 0 or a positive power of two, as the format stores them and
+    the GPU path's FP8 GEMMs assume (vLLM's UE8M0 re-quantisation of the scales is then exact)."""
     if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
-        bad = int((scale.view(torch.uint8) == 255).sum())
+        bad, what = int((scale.view(torch.uint8) == 255).sum()), "NaN"
     else:
-        bad = int((~torch.isfinite(scale)).sum())
-    return f"{name}: {bad} of {scale.numel()} block scales are NaN" if bad else None
+        mantissa, _ = torch.frexp(scale.float())
+        power_of_two = torch.isfinite(scale) & (scale > 0) & (mantissa == 0.5)
+        bad, what = int((~(power_of_two | (scale == 0))).sum()), "not a power of two (or 0)"
+    return f"{name}: {bad} of {scale.numel()} block scales are {what}" if bad else None
 
 
 def validate(cfg: Dsv4Config, ckpt: Checkpoint | dict[str, TensorSpec], value_problems: Sequence[str] = ()) -> None:
     """Raise CheckpointError listing (up to 10) missing / extra / mis-shaped / mis-typed tensors, and
-    ``value_problems`` found while reading them (``nan_scales``)."""
+    ``value_problems`` found while reading them (``scale_problem``); first, tensors of another checkpoint
+    kind than config.json names (``kinds.kind_problem``)."""
     found = ckpt.specs() if isinstance(ckpt, Checkpoint) else dict(ckpt)
-    problems = _problems(cfg, found) + list(value_problems)
+    problems = [p for p in [kind_problem(cfg, found)] if p] + _problems(cfg, found) + list(value_problems)
     if not problems:
         return
     shown = problems[:MAX_REPORTED_PROBLEMS]
