@@ -62,6 +62,23 @@ def decode_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
     return blocks.flatten(-2)  # [..., o, in]
 
 
+def decode_fp8(q: Tensor, scale: Tensor) -> Tensor:
+    """FP8 block weights -> float32: ``W[..., o, i] = e4m3(q[..., o, i]) * scale[..., o // 128, i // 128]``.
+
+    Args:
+        q: ``[..., out, in]`` float8_e4m3fn, or its bytes as uint8.
+        scale: ``[..., ceil(out/128), ceil(in/128)]`` float32 (V4-Flash-Base stores powers of two so),
+            or e8m0 exponent bytes (uint8 or float8_e8m0fnu).
+
+    Returns:
+        ``[..., out, in]`` float32 (exact for power-of-two scales).
+    """
+    out, inp = q.shape[-2:]
+    pow2 = scale if scale.dtype == torch.float32 else e8m0_to_float32(scale)  # [..., out/128, in/128]
+    rows = pow2.repeat_interleave(FP8_BLOCK, dim=-2)[..., :out, :]  # [..., out, in/128]
+    return q.view(torch.float8_e4m3fn).float() * rows.repeat_interleave(FP8_BLOCK, dim=-1)[..., :inp]
+
+
 def main_data_bytes(head_dim: int, rope_dim: int) -> int:
     """Bytes of a main entry before its scales: the e4m3 nope values and the bf16 rope values."""
     return head_dim + rope_dim

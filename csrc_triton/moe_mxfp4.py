@@ -1,7 +1,9 @@
-"""Routed experts on packed MXFP4 weights, Triton (docs/MODEL.md §3.3, §6 steps 4-5).
+"""Routed experts on packed MXFP4 weights, and on FP8 128x128 blocks (V4-Flash-Base), Triton
+(docs/MODEL.md §3.3, §6 steps 4-5).
 
-Matches :func:`moe_mxfp4_ref.moe_experts_mxfp4` (= :func:`routing_ref.moe_experts` on the decoded
-weights) without ever materialising a decoded weight: the codes are decoded in registers.
+Matches :func:`moe_mxfp4_ref.moe_experts_mxfp4` / :func:`moe_mxfp4_ref.moe_experts_fp8` (=
+:func:`routing_ref.moe_experts` on the decoded weights) without ever materialising a decoded weight:
+the weights are decoded in registers. The two formats share every kernel; ``FP8`` picks the decode.
 
 1. ``align_pairs`` (two small kernels, no host sync; semantics: ``moe_mxfp4_ref.align_pairs``): the
    ``T*k`` (token, slot) pairs are grouped by expert, skipped ids (``E_local``, or anything outside
@@ -30,6 +32,12 @@ Tiles divide the dims (the launcher narrows them), so the K loops load without m
 pipelines them. About 5-6 SASS instructions per weight element at decode (sm_90, triton 3.9; the
 even/odd split with fp32 scaling it replaced took 9-11).
 
+FP8 decode of a ``[BLOCK_N, BLOCK_K]`` tile: the e4m3 bytes converted by the hardware, times each
+row's float32 block scale (a K step never straddles a 128-column block: BLOCK_K divides 128), in
+fp32, then in x's dtype for the dot: exact for power-of-two scales (loader/checkpoint.py checks them).
+K keeps its natural order. Bytes per hit expert at V4-Flash's sizes: 24 MiB of weights (twice
+MXFP4's) + 6 KiB of scales.
+
 Limits: D and I multiples of 32; x fp32 / bf16 / fp16 (decoded weights cast to x's dtype: exact in
 fp16 for scales in its range); scale byte 255 (e8m0 NaN) gives inf where the reference gives NaN.
 Transient buffers: h ``[rows, I]`` in x.dtype (rows <= ``T*k + E_local * BLOCK_M``) and the fp32
@@ -49,7 +57,7 @@ from torch import Tensor
 from triton.runtime.jit import JITFunction
 
 from csrc_triton.codec import as_stored, store_values
-from csrc_triton.formats import MXFP4_BLOCK
+from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK
 from csrc_triton.routing import swiglu_clamped_values
 
 
@@ -95,6 +103,17 @@ def _decode_tile(w_ptrs, s_ptrs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N
     return w
 
 
+SCALE_BLOCK = tl.constexpr(FP8_BLOCK)  # FP8 weights: one scale per SCALE_BLOCK x SCALE_BLOCK
+
+
+@triton.jit
+def _fp8_tile(w_ptrs, s_ptrs):
+    """FP8 weight ``[BLOCK_N, BLOCK_K]`` (e4m3 bytes at ``w_ptrs``) times each row's block scale (float32 at
+    ``s_ptrs`` ``[BLOCK_N]``), in fp32: exact for power-of-two scales."""
+    w = tl.load(w_ptrs).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return w * tl.load(s_ptrs)[:, None]
+
+
 @triton.jit
 def _times_pow2(w, biased_exponent, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """``w [BN, BK]`` times ``2^(biased_exponent - 127)``, one exponent ``[BN, BK/32]`` per 32 of K
@@ -129,6 +148,7 @@ def _w13_swiglu_kernel(
     s_xt, s_we, s_wn, s_se, s_sn, s_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, X_IN_K_ORDER: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e < 0:
@@ -139,27 +159,41 @@ def _w13_swiglu_kernel(
     tok = tl.where(m_ok, pair // top_k, 0).to(tl.int64)  # [BM] padding rows read token 0, never kept
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of W1 (gate); of W3 (up) at I + n
     k = tl.arange(0, BLOCK_K)  # [BK] x columns of a K step
-    kw = tl.arange(0, BLOCK_K // 8)  # [BK/8] weight words
-    ks = tl.arange(0, BLOCK_K // 32)  # [BK/32] scales
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     x_ptrs = x_ptr + tok[:, None] * s_xt + k[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
-    s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
-    for _ in range(0, D, BLOCK_K):
+    if FP8:
+        w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + k[None, :]  # [BN, BK] e4m3 bytes
+        s_ptrs = s_ptr + e * s_se + (n // SCALE_BLOCK) * s_sn  # [BN] the rows' scales of K block 0
+        s_up = tl.cdiv(I, SCALE_BLOCK) * s_sn  # W3's scale rows follow W1's
+    else:
+        kw = tl.arange(0, BLOCK_K // 8)  # [BK/8] weight words
+        ks = tl.arange(0, BLOCK_K // 32)  # [BK/32] scales
+        w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
+        s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
+    for kk in range(0, D, BLOCK_K):
         xk = tl.load(x_ptrs)  # [BM, BK]
-        if not X_IN_K_ORDER:  # else the launcher permuted x's columns
-            xk = _to_k_order(xk, BLOCK_M, BLOCK_K)
-        w1 = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
-        w3 = _decode_tile(w_ptrs + I * s_wn, s_ptrs + I * s_sn, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+        if FP8:
+            w1 = _fp8_tile(w_ptrs, s_ptrs + kk // SCALE_BLOCK)
+            w3 = _fp8_tile(w_ptrs + I * s_wn, s_ptrs + s_up + kk // SCALE_BLOCK)
+        else:
+            if not X_IN_K_ORDER:  # else the launcher permuted x's columns
+                xk = _to_k_order(xk, BLOCK_M, BLOCK_K)
+            w1 = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+            w3 = _decode_tile(w_ptrs + I * s_wn, s_ptrs + I * s_sn, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
         gate = _dot(gate, xk, w1, INTERPRETED, PRECISION)
         up = _dot(up, xk, w3, INTERPRETED, PRECISION)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 32
+        if FP8:
+            w_ptrs += BLOCK_K
+        else:
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 32
     h = swiglu_clamped_values(gate, up, limit)  # [BM, BN]
-    # h's columns in the K order the W2 pass reads: column n at 8 * (n // 8) + 2 * (n % 4) + n % 8 // 4
-    col = n - n % 8 + 2 * (n % 4) + n % 8 // 4
+    if FP8:
+        col = n
+    else:  # h's columns in the K order the W2 pass reads: column n at 8 * (n // 8) + 2 * (n % 4) + n % 8 // 4
+        col = n - n % 8 + 2 * (n % 4) + n % 8 // 4
     tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + col[None, :], h.to(h_ptr.dtype.element_ty))
 
 
@@ -169,7 +203,7 @@ def _w2_kernel(
     D, I,
     s_hm, s_we, s_wn, s_se, s_sn, s_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    NARROW_SCALES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e < 0:
@@ -179,18 +213,28 @@ def _w2_kernel(
     m_ok = pair >= 0
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns (of D)
     k = tl.arange(0, BLOCK_K)
-    kw = tl.arange(0, BLOCK_K // 8)
-    ks = tl.arange(0, BLOCK_K // 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * s_hm + k[None, :]  # [BM, BK], already in the K order
-    w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
-    s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
-    for _ in range(0, I, BLOCK_K):
-        w = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
+    if FP8:
+        w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + k[None, :]  # [BN, BK] e4m3 bytes
+        s_ptrs = s_ptr + e * s_se + (n // SCALE_BLOCK) * s_sn  # [BN] the rows' scales of K block 0
+    else:
+        kw = tl.arange(0, BLOCK_K // 8)
+        ks = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + e * s_we + n[:, None] * s_wn + kw[None, :]  # [BN, BK/8]
+        s_ptrs = s_ptr + e * s_se + n[:, None] * s_sn + ks[None, :]  # [BN, BK/32]
+    for kk in range(0, I, BLOCK_K):
+        if FP8:
+            w = _fp8_tile(w_ptrs, s_ptrs + kk // SCALE_BLOCK)
+        else:
+            w = _decode_tile(w_ptrs, s_ptrs, BLOCK_N, BLOCK_K, NARROW_SCALES, INTERPRETED)
         acc = _dot(acc, tl.load(h_ptrs), w, INTERPRETED, PRECISION)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 32
+        if FP8:
+            w_ptrs += BLOCK_K
+        else:
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 32
     rw = tl.load(rw_ptr + pair, mask=m_ok, other=0.0)  # [BM] fp32 routing weight
     tl.store(y_ptr + pair[:, None].to(tl.int64) * s_yp + n[None, :], acc * rw[:, None], mask=m_ok[:, None])
 
@@ -351,15 +395,63 @@ def moe_experts_mxfp4(
     T, D = x.shape
     E, I2, _ = w13.shape
     I = I2 // 2
-    k = ids.shape[1]
-    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
     assert D % MXFP4_BLOCK == 0 and I % MXFP4_BLOCK == 0, (D, I)
     assert w13.shape == (E, 2 * I, D // 2) and w13_scale.shape == (E, 2 * I, D // MXFP4_BLOCK), w13_scale.shape
     assert w2.shape == (E, D, I // 2) and w2_scale.shape == (E, D, I // MXFP4_BLOCK), (w2.shape, w2_scale.shape)
-    assert ids.shape == weights.shape == (T, k) and not ids.dtype.is_floating_point, (ids.shape, weights.shape)
     w13, w2 = w13.view(torch.int32), w2.view(torch.int32)  # words of 8 codes
     w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    assert all(w.is_contiguous() for w in (w13, w13_scale, w2, w2_scale))
+    return _moe(x, weights, ids, (w13, w13_scale, w2, w2_scale), I, swiglu_limit, shared, config,
+                dict(NARROW_SCALES=narrow_scales, FP8=False))
+
+
+def moe_experts_fp8(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    swiglu_limit: float,
+    shared: Tensor | None = None,
+    config: dict | None = None,
+) -> Tensor:
+    """Triton :func:`moe_mxfp4_ref.moe_experts_fp8` (same arguments and result; ``shared`` added in the
+    k-sum's launch): V4-Flash-Base's FP8 experts, on the MXFP4 kernels' rows and tiles.
+
+    Args:
+        x, weights, ids, swiglu_limit, shared, config: as :func:`moe_experts_mxfp4`.
+        w13: ``[E_local, 2I, D]`` float8_e4m3fn (or its bytes), rows ``[:I]`` = W1 (gate), ``[I:]`` = W3.
+        w13_scale: ``[E_local, 2 * ceil(I/128), ceil(D/128)]`` float32: W1's blocks, then W3's.
+        w2: ``[E_local, D, I]`` float8_e4m3fn (or its bytes).
+        w2_scale: ``[E_local, ceil(D/128), ceil(I/128)]`` float32.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``; matmuls and the weighted sum accumulate in fp32.
+    """
+    T, D = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    bi, bd = triton.cdiv(I, FP8_BLOCK), triton.cdiv(D, FP8_BLOCK)  # scale blocks along I and D
+    assert D % MXFP4_BLOCK == 0 and I % MXFP4_BLOCK == 0, (D, I)  # the tiles divide them
+    assert w13.shape == (E, 2 * I, D) and w13_scale.shape == (E, 2 * bi, bd), w13_scale.shape
+    assert w2.shape == (E, D, I) and w2_scale.shape == (E, bd, bi), (w2.shape, w2_scale.shape)
+    assert w13_scale.dtype == w2_scale.dtype == torch.float32, (w13_scale.dtype, w2_scale.dtype)
+    w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)  # e4m3 bytes
+    return _moe(x, weights, ids, (w13, w13_scale, w2, w2_scale), I, swiglu_limit, shared, config,
+                dict(NARROW_SCALES=False, FP8=True))
+
+
+def _moe(x: Tensor, weights: Tensor, ids: Tensor, experts: tuple[Tensor, ...], I: int, swiglu_limit: float,
+         shared: Tensor | None, config: dict | None, decode: dict) -> Tensor:
+    """The launches of both formats: ``experts`` (w13, w13_scale, w2, w2_scale) as the kernels read them,
+    ``decode`` their constexprs ``NARROW_SCALES`` and ``FP8``."""
+    T, D = x.shape
+    k, (w13, w13_scale, w2, w2_scale) = ids.shape[1], experts
+    E = w13.shape[0]
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), x.dtype
+    assert ids.shape == weights.shape == (T, k) and not ids.dtype.is_floating_point, (ids.shape, weights.shape)
+    assert all(w.is_contiguous() for w in experts)
     assert shared is None or (shared.shape == (T, D) and shared.dtype == x.dtype and shared.stride(1) == 1), shared
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T * k == 0 or E == 0:
@@ -369,15 +461,15 @@ def moe_experts_mxfp4(
     rw = weights.to(torch.float32).contiguous()  # [T, k]
     cfg = dict(config or _config(T * k, E, x.dtype))
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    x_in_k_order = cfg.pop("X_IN_K_ORDER", False)
+    x_in_k_order = cfg.pop("X_IN_K_ORDER", False) and not decode["FP8"]  # FP8 keeps K's natural order
     pair_of_row, block_expert = align_pairs(ids, E, bm)
     num_blocks = block_expert.numel()
     # The interpreter truncates fp32 -> bf16 (triton 3.9): a biased h would test nothing, so there it stays fp32.
     h_dtype = torch.float32 if _INTERPRETED else x.dtype
     h = torch.empty(num_blocks * bm, I, dtype=h_dtype, device=x.device)  # [rows, I]
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D]; skipped rows unwritten
-    common = dict(BLOCK_M=bm, NARROW_SCALES=narrow_scales, INTERPRETED=_INTERPRETED,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
+    common = dict(BLOCK_M=bm, INTERPRETED=_INTERPRETED, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  **decode, **cfg)
     bn1, bk1 = _tile(I, bn), _tile(D, bk)
     # x's columns within each 8 as 0 4 1 5 2 6 3 7 (the kernel's K order), copied once for all row blocks
     x13 = x.view(T, D // 8, 2, 4).transpose(2, 3).reshape(T, D) if x_in_k_order else x

@@ -1,24 +1,29 @@
-"""Routed experts on MXFP4 weights (docs/MODEL.md §3.3 storage, §6 math).
+"""Routed experts on quantised weights (docs/MODEL.md §3.3 storage, §6 math).
 
-The checkpoint's routed experts are MXFP4: e2m1 codes packed two per byte along the input dim (the
-even element in the low nibble) with one e8m0 scale byte per 1x32 block. This reference decodes the
-experts that received tokens and runs :func:`routing_ref.moe_experts` on them, so it defines the
-kernel's semantics (csrc_triton/moe_mxfp4.py) and is the GPU bisecting path
-(``VLLM_DSV4_OPS=reference``). The CPU model path dequantises at load instead (model/moe.py).
+The release checkpoints' routed experts are MXFP4: e2m1 codes packed two per byte along the input dim
+(the even element in the low nibble) with one e8m0 scale byte per 1x32 block; V4-Flash-Base's are FP8
+e4m3 with one float32 scale per 128x128 block, like its linears. These references decode the experts
+that received tokens and run :func:`routing_ref.moe_experts` on them, so they define the kernels'
+semantics (csrc_triton/moe_mxfp4.py) and are the GPU bisecting path (``VLLM_DSV4_OPS=reference``).
+The CPU model path dequantises at load instead (model/moe.py).
 
-Bytes: each hit expert's packed W13 and W2 once (``2I*D/2 + D*I/2`` codes, ``2I*D/32 + D*I/32``
-scales), plus x gathered k times.
+Bytes: each hit expert's W13 and W2 once (MXFP4: ``2I*D/2 + D*I/2`` codes, ``2I*D/32 + D*I/32``
+scales; FP8: ``3*D*I`` bytes), plus x gathered k times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from csrc_triton.formats import decode_mxfp4
+from csrc_triton.formats import FP8_BLOCK, decode_fp8, decode_mxfp4
 from csrc_triton.routing_ref import moe_experts
 
 DECODE_GROUP = 16  # experts decoded to fp32 at a time
+
+
 def moe_experts_mxfp4(
     x: Tensor,
     weights: Tensor,
@@ -51,7 +56,49 @@ def moe_experts_mxfp4(
     Returns:
         ``[T, D]`` in ``x.dtype``, accumulated in fp32; plus ``shared`` (one more rounding) when given.
     """
-    E = w13.shape[0]
+    def decode(group: Tensor) -> tuple[Tensor, Tensor]:
+        return decode_mxfp4(w13[group], w13_scale[group]), decode_mxfp4(w2[group], w2_scale[group])
+
+    return _moe_decoded(x, weights, ids, w13.shape[0], decode, swiglu_limit, shared)
+
+
+def moe_experts_fp8(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    swiglu_limit: float,
+    shared: Tensor | None = None,
+) -> Tensor:
+    """:func:`routing_ref.moe_experts` with FP8 block expert weights (V4-Flash-Base).
+
+    Args:
+        x, weights, ids, swiglu_limit, shared: as :func:`moe_experts_mxfp4`.
+        w13: ``[E_local, 2I, D]`` float8_e4m3fn, rows ``[:I]`` = W1 (gate), ``[I:]`` = W3 (up).
+        w13_scale: ``[E_local, 2 * ceil(I/128), ceil(D/128)]`` float32: W1's blocks, then W3's.
+        w2: ``[E_local, D, I]`` float8_e4m3fn.
+        w2_scale: ``[E_local, ceil(D/128), ceil(I/128)]`` float32.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``, accumulated in fp32; plus ``shared`` (one more rounding) when given.
+    """
+    I, up = w13.shape[1] // 2, -(-w13.shape[1] // 2 // FP8_BLOCK)  # W3's first scale row
+
+    def decode(group: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up_rows = decode_fp8(w13[group, :I], w13_scale[group, :up]), decode_fp8(w13[group, I:], w13_scale[group, up:])
+        return torch.cat([gate, up_rows], 1), decode_fp8(w2[group], w2_scale[group])  # [G, 2I, D], [G, D, I]
+
+    return _moe_decoded(x, weights, ids, w13.shape[0], decode, swiglu_limit, shared)
+
+
+def _moe_decoded(x: Tensor, weights: Tensor, ids: Tensor, E: int, decode: Callable[[Tensor], tuple[Tensor, Tensor]],
+                 swiglu_limit: float, shared: Tensor | None) -> Tensor:
+    """The experts that received a token, ``decode(group)`` -> their fp32 ``(w13, w2)`` ``DECODE_GROUP`` at a
+    time (one host sync for the set), through :func:`routing_ref.moe_experts`; the groups' outputs summed
+    in fp32."""
     ids = torch.where((ids >= 0) & (ids < E), ids.long(), E)  # [T, k] anything else is skipped too
     hit = torch.unique(ids[ids < E])  # [H] sorted local ids
     xf = x.float()
@@ -59,8 +106,7 @@ def moe_experts_mxfp4(
     for group in hit.split(DECODE_GROUP):  # bounded fp32 copies: 256 V4-Flash experts decode to 26 GB
         compact = torch.full((E + 1,), group.numel(), dtype=torch.long, device=ids.device)  # others -> skip id
         compact[group] = torch.arange(group.numel(), device=ids.device)
-        w13_f = decode_mxfp4(w13[group], w13_scale[group])  # [G, 2I, D]
-        w2_f = decode_mxfp4(w2[group], w2_scale[group])  # [G, D, I]
+        w13_f, w2_f = decode(group)  # [G, 2I, D], [G, D, I]
         out += moe_experts(xf, weights, compact[ids], w13_f, w2_f, swiglu_limit)
     return out.to(x.dtype) if shared is None else (out.to(x.dtype) + shared).to(x.dtype)
 

@@ -64,6 +64,10 @@ def cases() -> list[Case]:
                   lambda T=T: kc.moe_mxfp4_args(T, 4096, 2048, 256, 6, BF16, p_skip=0.0) + (True,),
                   kc.moe_mxfp4_bytes(T, 4096, 2048, 256, 6, BF16))
              for T in (1, 16, 64, 8192)]
+    rows += [Case("moe_experts_fp8", f"T={T} E=256 k=6 D=4096 I=2048 (V4-Flash-Base)",
+                  lambda T=T: kc.moe_fp8_args(T, 4096, 2048, 256, 6, BF16, p_skip=0.0),
+                  kc.moe_fp8_bytes(T, 4096, 2048, 256, 6, BF16))
+             for T in (1, 16, 64, 8192)]
     rows += [
         Case("sparse_attn", f"decode T=64 H={H} K={K} d={d}",
              lambda: kc.sparse_attn_args(64, H, K, d, BF16, p_valid=1.0, empty_row=False),
@@ -134,6 +138,7 @@ def implementations(op: str) -> tuple[Callable, Callable]:
     return {
         "rope_out_proj": (out_proj.rope_out_proj, out_proj_ref.rope_out_proj),
         "moe_experts_mxfp4": (moe_mxfp4.moe_experts_mxfp4, moe_mxfp4_ref.moe_experts_mxfp4),
+        "moe_experts_fp8": (moe_mxfp4.moe_experts_fp8, moe_mxfp4_ref.moe_experts_fp8),
         "sparse_attn": (sparse_attn.sparse_attn, sparse_attn_ref.sparse_attn),
         "sparse_attn_cached": (sparse_attn.sparse_attn_cached, sparse_attn_ref.sparse_attn_cached),
         "mhc_pre": (mhc.mhc_pre, mhc_ref.mhc_pre),

@@ -11,6 +11,7 @@
 #   scripts/gpu_check.sh e2e           # vLLM e2e on GPU: chunked prefill, preemption, FP8 KV, prefix cache (~6 min)
 #   scripts/gpu_check.sh gpu-path      # GPU path vs reference path, 16 x 512 greedy tokens (>7 min)
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
+#   scripts/gpu_check.sh gpu-path-base   # the same for V4-Flash-Base's format (FP8 experts; 4 layers at V4-Flash dims)
 #   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
 #   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager (two engine runs)
 #   scripts/gpu_check.sh graph-checks  # eager vs eager, and eager on garbage-filled pages with NaN-filled
@@ -54,8 +55,8 @@ case "${1:-unit}" in
 esac
 # the tests that run vLLM's kernels (slow to JIT-compile), in tests/model
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
-# not yet passed on a GPU: none (2026-12-05f, H200: every test file changed since the last device run passed)
-CHANGED_TESTS=""
+# not yet passed on a GPU: the FP8 (V4-Flash-Base) routed experts and the MXFP4 kernel file they now share
+CHANGED_TESTS="tests/csrc_triton/test_moe_fp8_kernel.py tests/model/test_experts_fp8.py tests/csrc_triton/test_moe_mxfp4_kernel.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md
@@ -104,7 +105,10 @@ case "${1:-unit}" in
   gpu-path-flash)
     flash_checkpoint
     DSV4_FLASH_CKPT="$FLASH" timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short \
-      tests/e2e/test_gpu_path.py -k flash > "$LOG_DIR/gpu_path_flash.log" 2>&1; summary "$LOG_DIR/gpu_path_flash.log" ;;
+      tests/e2e/test_gpu_path.py -k flash_ckpt > "$LOG_DIR/gpu_path_flash.log" 2>&1; summary "$LOG_DIR/gpu_path_flash.log" ;;
+  gpu-path-base)  # the checkpoint drawn on the GPU by the test (~1 min); DSV4_FLASH_BASE_CKPT names one made before
+    timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
+      -k flash_base_ckpt > "$LOG_DIR/gpu_path_base.log" 2>&1; summary "$LOG_DIR/gpu_path_base.log" ;;
   graph-ops)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/model/test_graph_replay.py \
       > "$LOG_DIR/graph_ops.log" 2>&1; summary "$LOG_DIR/graph_ops.log" ;;

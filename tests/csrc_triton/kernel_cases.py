@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from csrc_triton import kv_cache_ref
+from csrc_triton.formats import e8m0_to_float32
 from csrc_triton.paged import CacheSource
 from tests.skips import KERNELS_RUN_INTERPRETED
 
@@ -501,6 +502,15 @@ def moe_mxfp4_args(T: int, D: int, I: int, E: int, k: int, dtype=torch.bfloat16,
     (W2 gain 0.2): the bf16 kernel's error scales with the output (test_moe_mxfp4_kernel.py), and
     the absolute 1e-2 of the bf16 tolerance must cover it for outputs near 0."""
     g = _gen(seed)
+    x, weights, ids = _moe_routing(g, T, D, E, k, dtype, p_skip, p_hot, device)
+    w13, w13_scale = mxfp4_experts(g, E, 2 * I, D, device=device)
+    w2, w2_scale = mxfp4_experts(g, E, D, I, gain=0.2, device=device)
+    return x, weights, ids, w13, w13_scale, w2, w2_scale, limit
+
+
+def _moe_routing(g: torch.Generator, T: int, D: int, E: int, k: int, dtype, p_skip: float, p_hot: float,
+                 device) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x, weights, ids)`` of :func:`moe_mxfp4_args`."""
     x = _randn(g, T, D, dtype=dtype, device=device)
     weights = torch.rand(T, k, generator=g) + 0.1
     weights = 1.5 * weights / weights.sum(-1, keepdim=True)
@@ -509,16 +519,55 @@ def moe_mxfp4_args(T: int, D: int, I: int, E: int, k: int, dtype=torch.bfloat16,
     ids[torch.rand(T, k, generator=g) < p_skip] = E
     if T > 1:
         ids[0] = E
-    w13, w13_scale = mxfp4_experts(g, E, 2 * I, D, device=device)
-    w2, w2_scale = mxfp4_experts(g, E, D, I, gain=0.2, device=device)
-    return x, weights.to(device), ids.to(device), w13, w13_scale, w2, w2_scale, limit
+    return x, weights.to(device), ids.to(device)
+
+
+def fp8_experts(g: torch.Generator, E: int, out: int, inp: int, gain: float = 1.0,
+                device=DEVICE) -> tuple[Tensor, Tensor]:
+    """``quant_fp8_block`` of normals of std ``gain * inp**-0.5`` times ``2^j`` per 128x128 block, ``j`` in
+    [-3, 2] (each block its own scale): ``(e4m3 [E, out, inp], float32 power-of-two scales
+    [E, ceil(out/128), ceil(inp/128)])``, V4-Flash-Base's storage."""
+    from tests.conftest import load_quantize
+
+    quant_fp8_block = load_quantize().quant_fp8_block
+
+    bo, bi = -(-out // 128), -(-inp // 128)
+    q = torch.empty(E, out, inp, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(E, bo, bi, dtype=torch.float32, device=device)
+    for e in range(E):
+        w = _randn(g, out, inp, device=device, scale=gain * inp**-0.5)  # [out, inp]
+        j = torch.randint(-3, 3, (bo, bi), generator=g).float().to(device)
+        w = w * torch.exp2(j).repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+        q[e], s = quant_fp8_block(w)
+        scale[e] = e8m0_to_float32(s)
+    return q, scale
+
+
+def moe_fp8_args(T: int, D: int, I: int, E: int, k: int, dtype=torch.bfloat16, p_skip: float = 0.2,
+                 p_hot: float = 0.0, limit: float = 10.0, seed: int = 0, device=DEVICE) -> tuple:
+    """:func:`moe_mxfp4_args` with FP8 experts (``fp8_experts``): ``w13`` [E, 2I, D] e4m3 with W1's and
+    W3's scales stacked [E, 2 ceil(I/128), ceil(D/128)], ``w2`` [E, D, I] with [E, ceil(D/128), ceil(I/128)]."""
+    g = _gen(seed)
+    x, weights, ids = _moe_routing(g, T, D, E, k, dtype, p_skip, p_hot, device)
+    (w1, s1), (w3, s3) = fp8_experts(g, E, I, D, device=device), fp8_experts(g, E, I, D, device=device)
+    w2, w2_scale = fp8_experts(g, E, D, I, gain=0.2, device=device)
+    return x, weights, ids, torch.cat([w1, w3], 1), torch.cat([s1, s3], 1), w2, w2_scale, limit
 
 
 def moe_mxfp4_bytes(T: int, D: int, I: int, E: int, k: int, dtype: torch.dtype) -> int:
     """Each hit expert's codes and scales once (expected hit count under uniform routing), x and out."""
-    hit = round(E * (1 - (1 - 1 / E) ** (T * k)))
-    e = torch.finfo(dtype).bits // 8
-    return hit * (3 * D * I // 2 + 3 * D * I // 32) + 2 * T * D * e
+    return _hit_experts(T, E, k) * (3 * D * I // 2 + 3 * D * I // 32) + 2 * T * D * (torch.finfo(dtype).bits // 8)
+
+
+def moe_fp8_bytes(T: int, D: int, I: int, E: int, k: int, dtype: torch.dtype) -> int:
+    """Each hit expert's e4m3 weights and float32 block scales once, x and out."""
+    scales = 4 * 3 * (-(-D // 128)) * (-(-I // 128))
+    return _hit_experts(T, E, k) * (3 * D * I + scales) + 2 * T * D * (torch.finfo(dtype).bits // 8)
+
+
+def _hit_experts(T: int, E: int, k: int) -> int:
+    """The expected number of experts T tokens of k uniform picks hit."""
+    return round(E * (1 - (1 - 1 / E) ** (T * k)))
 
 
 # ------------------------------------------------------------------- cache entries (kv_cache)

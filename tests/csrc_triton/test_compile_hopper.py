@@ -33,7 +33,8 @@ from csrc_triton import (  # noqa: E402
 )
 from tests.csrc_triton.kernel_cases import (  # noqa: E402
     INTERPRET, cache_index_args, hc_head_args, indexer_args, indexer_paged_args, kv_insert_args, kv_read_args,
-    kv_write_args, mhc_post_args, mhc_pre_args, moe_mxfp4_args, norm_rope_args, out_proj_args, pool_windows_args,
+    kv_write_args, mhc_post_args, mhc_pre_args, moe_fp8_args, moe_mxfp4_args, norm_rope_args, out_proj_args,
+    pool_windows_args,
     rms_norm_args, rope_args, route_args, sparse_attn_args, sparse_attn_cached_args, state_write_args,
 )
 from tests.skips import COMPILES_RUN_UNINTERPRETED  # noqa: E402
@@ -128,6 +129,12 @@ def v4_flash_experts(T: int) -> tuple:
     return moe_mxfp4_args(T, 4096, 2048, 2, 6, torch.bfloat16, device="cpu")
 
 
+@functools.cache
+def v4_flash_fp8_experts(T: int) -> tuple:
+    """V4-Flash-Base's experts (FP8, float32 scales) at V4-Flash's D and I, as ``v4_flash_experts``."""
+    return moe_fp8_args(T, 4096, 2048, 2, 6, torch.bfloat16, device="cpu")
+
+
 @pytest.mark.parametrize("T", [1, 64], ids=["decode", "batch"])
 @pytest.mark.parametrize("kernel", [moe_mxfp4._w13_swiglu_kernel, moe_mxfp4._w2_kernel], ids=["w13", "w2"])
 def test_moe_decode_scales_code_pairs_in_bf16(kernel, T):
@@ -156,6 +163,14 @@ def test_fp8_cache_reads_use_the_hardware_conversion(kernel, launcher, make_args
     assert launch[1]["HW_E4M3"]
     ptx = compile_for_hopper(kernel, *launch).asm["ptx"]
     assert "e4m3x2" in ptx  # cvt.rn.f16x2.e4m3x2
+
+
+@pytest.mark.parametrize("T", [1, 64], ids=["decode", "batch"])
+@pytest.mark.parametrize("kernel", [moe_mxfp4._w13_swiglu_kernel, moe_mxfp4._w2_kernel], ids=["w13", "w2"])
+def test_moe_fp8_weights_use_the_hardware_conversion(kernel, T):
+    """V4-Flash-Base's FP8 expert weights go through the e4m3 conversion instruction, two codes each."""
+    (launch,) = captured_launches(kernel, moe_mxfp4.moe_experts_fp8, *v4_flash_fp8_experts(T))
+    assert "e4m3x2" in compile_for_hopper(kernel, *launch).asm["ptx"]
 
 
 # (kernel, its launcher, the launcher's arguments); shapes from the kernel tests' V4-Flash cases
@@ -231,6 +246,14 @@ KERNEL_CASES = [
                  id="moe-w13-batch"),
     pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(1), id="moe-w2-decode"),
     pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64), id="moe-w2-batch"),
+    pytest.param(moe_mxfp4._w13_swiglu_kernel, moe_mxfp4.moe_experts_fp8, lambda: v4_flash_fp8_experts(1),
+                 id="moe-fp8-w13-decode"),
+    pytest.param(moe_mxfp4._w13_swiglu_kernel, moe_mxfp4.moe_experts_fp8, lambda: v4_flash_fp8_experts(64),
+                 id="moe-fp8-w13-batch"),
+    pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_fp8, lambda: v4_flash_fp8_experts(1),
+                 id="moe-fp8-w2-decode"),
+    pytest.param(moe_mxfp4._w2_kernel, moe_mxfp4.moe_experts_fp8, lambda: v4_flash_fp8_experts(64),
+                 id="moe-fp8-w2-batch"),
     pytest.param(moe_mxfp4._expert_counts_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64),
                  id="moe-expert-counts"),
     pytest.param(moe_mxfp4._place_pairs_kernel, moe_mxfp4.moe_experts_mxfp4, lambda: v4_flash_experts(64),

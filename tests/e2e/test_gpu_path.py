@@ -273,16 +273,31 @@ def test_gpu_path_matches_reference_path(both_paths, ktiny_ckpt):
 def flash_ckpt(tmp_path_factory, make_checkpoint_module):
     """Real V4-Flash dimensions, 6 layers (2 SWA, 2 C4, 2 C128; the first 3 hash-routed), FP8 + MXFP4,
     drawn on the GPU (~1 min); ``DSV4_FLASH_CKPT`` names one already made."""
-    made = os.environ.get("DSV4_FLASH_CKPT")
+    return _flash_dims(tmp_path_factory, make_checkpoint_module, "flash", "DSV4_FLASH_CKPT")
+
+
+@pytest.fixture(scope="module")
+def flash_base_ckpt(tmp_path_factory, make_checkpoint_module):
+    """V4-Flash-Base's format (FP8 routed experts, float32 scales) at V4-Flash dimensions, 4 layers (2 SWA,
+    C4, C128; 3 hash-routed: its FP8 experts are 25 GB); ``DSV4_FLASH_BASE_CKPT`` names one already made."""
+    return _flash_dims(tmp_path_factory, make_checkpoint_module, "flash-base", "DSV4_FLASH_BASE_CKPT", num_layers=4)
+
+
+def _flash_dims(tmp_path_factory, make_checkpoint_module, preset: str, env: str, **options) -> Path:
+    made = os.environ.get(env)
     if made and (Path(made) / "config.json").exists():
         return Path(made)
-    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("flash"), "flash", seed=0, device="cuda")
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp(preset), preset, seed=0, device="cuda",
+                                                  **options)
 
 
-def test_flash_dims_gpu_path_matches_reference_path(tmp_path_factory, flash_ckpt):
+@pytest.mark.parametrize("checkpoint", ["flash_ckpt", "flash_base_ckpt"])
+def test_flash_dims_gpu_path_matches_reference_path(request, tmp_path_factory, checkpoint):
     """The same comparison at V4-Flash layer dimensions (64 heads of 512, 129k vocabulary, 256 experts,
     top-512 indexer) on top-FLASH_TOP_K log-probs (the full vocabulary would be 16 x 512 x 129k values),
-    with the module doc's criteria for six layers and top-k rows."""
+    with the module doc's criteria for the checkpoint's layers and top-k rows; in the release format
+    (MXFP4 experts) and in V4-Flash-Base's (FP8 experts on our FP8 MoE)."""
+    flash_ckpt = request.getfixturevalue(checkpoint)
     prompts = make_prompts(PROMPT_LENS, seed=4, vocab=100_000)
     engine = dict(ENGINE, gpu_memory_utilization=0.6)
     batches = [{"prompts": prompts, "logprobs": FLASH_TOP_K, "prompt_logprobs": False},

@@ -132,7 +132,8 @@ def test_tensor_parallel_ranks_compute_their_own_experts(loaded):
 
 def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
     """Packed only for MXFP4 experts on the kernel path; uint8 whatever the default float dtype (vLLM
-    builds the model under its dtype), while the dequantised storage takes that dtype."""
+    builds the model under its dtype), while the dequantised storage takes that dtype. FP8 experts
+    (V4-Flash-Base) are held as e4m3 with float32 block scales there."""
     cfg = Dsv4Config.from_pretrained(tiny_ckpt)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -145,7 +146,10 @@ def test_storage_follows_the_checkpoint_and_the_path(tiny_ckpt):
     assert packed.w13.dtype == packed.w13_scale.dtype == torch.uint8
     assert packed.w13.shape == (cfg.n_routed_experts, 2 * i, d // 2) and packed.w2_scale.shape[-1] == i // 32
     assert not cpu.packed and cpu.w13.dtype == torch.bfloat16 and cpu.w13.shape[-1] == d
-    assert not fp8_experts.packed and not hasattr(fp8_experts, "w13_scale")
+    assert not fp8_experts.packed and fp8_experts.fp8 and not cpu.fp8 and not packed.fp8
+    assert fp8_experts.w13.dtype == fp8_experts.w2.dtype == torch.float8_e4m3fn
+    assert fp8_experts.w13.shape == (cfg.n_routed_experts, 2 * i, d)
+    assert fp8_experts.w13_scale.dtype == torch.float32 and fp8_experts.w13_scale.shape == (cfg.n_routed_experts, 2, 1)
 
 
 @pytest.mark.gpu

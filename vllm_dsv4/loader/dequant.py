@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK, decode_mxfp4, e8m0_to_float32
+from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK, decode_fp8, decode_mxfp4, e8m0_to_float32
 
 
 def _scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
@@ -36,18 +36,17 @@ def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_r: int, block
     return s.repeat_interleave(block_c, dim=1)[:, :cols] if block_c > 1 else s[:, :cols]
 
 
-def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """FP8 (e4m3fn) block-quantised weight [out, in] -> float32: ``W[i,j] = q[i,j] * scale[i//b, j//b]``."""
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 (e4m3fn) block-quantised weight [out, in] -> float32: ``W[i,j] = q[i,j] * scale[i//128, j//128]``."""
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"FP8 weight must be 2-D, got shape {tuple(weight.shape)}")
     out, inp = weight.shape
-    want = (math.ceil(out / block), math.ceil(inp / block))
+    want = (math.ceil(out / FP8_BLOCK), math.ceil(inp / FP8_BLOCK))
     if tuple(scale.shape) != want:
         raise ValueError(f"FP8 scale shape {tuple(scale.shape)} does not match weight {(out, inp)}: want {want}")
-    s = _scale_to_float32(scale)
-    return weight.to(torch.float32) * expand_blocks(s, out, inp, block, block)
+    return decode_fp8(weight, _scale_to_float32(scale))
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from csrc_triton.formats import FP8_BLOCK
 from vllm_dsv4 import ops
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_linear, fp32_param
@@ -51,25 +54,33 @@ class SharedExpert(nn.Module):
 
 class Experts(nn.Module):
     """This rank's routed experts (``Shard.experts_per_rank`` of them from ``Shard.first_expert``:
-    whole experts over all DP x TP ranks), stacked (w1 rows first in ``w13``), in one of two storages.
+    whole experts over all DP x TP ranks), stacked (w1 rows first in ``w13``), in one of three storages.
 
-    Dequantised (the CPU path, FP8 or bf16 checkpoints): ``w13`` [E_local, 2I, D] and ``w2``
+    Dequantised (the CPU path, and bf16 checkpoints): ``w13`` [E_local, 2I, D] and ``w2``
     [E_local, D, I] in the model dtype; the loader dequantises into them. MXFP4, kept packed when
     the checkpoint's experts are MXFP4 and ``on_gpu`` (also under ``VLLM_DSV4_OPS=reference``, whose
     MXFP4 reference decodes only the experts a step uses: 6 layers of V4-Flash's experts dequantised
     to fp32 would be 155 GB): ``w13`` uint8 [E_local, 2I, D/2] + ``w13_scale`` uint8
     [E_local, 2I, D/32], ``w2`` uint8 [E_local, D, I/2] + ``w2_scale`` uint8 [E_local, D, I/32], the
     checkpoint's bytes (the loader copies raw bytes into
-    any ``<target>`` with a ``<target>_scale`` beside it), computed by ``ops.moe_experts_mxfp4``.
+    any ``<target>`` with a ``<target>_scale`` beside it), computed by ``ops.moe_experts_mxfp4``. FP8
+    (V4-Flash-Base's experts, ``on_gpu``): ``w13`` float8_e4m3fn [E_local, 2I, D] + ``w13_scale`` float32
+    [E_local, 2 ceil(I/128), ceil(D/128)] (W1's blocks, then W3's), ``w2`` [E_local, D, I] + ``w2_scale``
+    [E_local, ceil(D/128), ceil(I/128)], computed by ``ops.moe_experts_fp8``.
     """
 
     def __init__(self, cfg: Dsv4Config, shard: Shard, on_gpu: bool = ops.ON_CUDA):
         super().__init__()
         e, i, d = shard.experts_per_rank(cfg.n_routed_experts), cfg.moe_intermediate_size, cfg.hidden_size
         self.packed = on_gpu and cfg.mxfp4_experts
+        self.fp8 = on_gpu and cfg.quantized and not cfg.mxfp4_experts
         if self.packed:
             self.w13, self.w13_scale = _bytes(e, 2 * i, d // 2), _bytes(e, 2 * i, d // 32)
             self.w2, self.w2_scale = _bytes(e, d, i // 2), _bytes(e, d, i // 32)
+        elif self.fp8:
+            bi, bd = math.ceil(i / FP8_BLOCK), math.ceil(d / FP8_BLOCK)
+            self.w13, self.w13_scale = _fp8(e, 2 * i, d), fp32_param(e, 2 * bi, bd)
+            self.w2, self.w2_scale = _fp8(e, d, i), fp32_param(e, bd, bi)
         else:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
@@ -107,6 +118,9 @@ class Experts(nn.Module):
         elif self.packed:
             return ops.moe_experts_mxfp4(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
                                          self.limit, self.narrow_scales, shared)
+        elif self.fp8:
+            return ops.moe_experts_fp8(x, weights, local, self.w13, self.w13_scale, self.w2, self.w2_scale,
+                                       self.limit, shared)
         else:
             routed = ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
         return routed if shared is None else (routed + shared).to(x.dtype)
@@ -115,6 +129,11 @@ class Experts(nn.Module):
 def _bytes(*shape: int) -> nn.Parameter:
     """Raw checkpoint bytes (explicitly uint8: vLLM's default dtype applies to float tensors only)."""
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+
+def _fp8(*shape: int) -> nn.Parameter:
+    """The checkpoint's e4m3 weights as they are (the loader copies a dtype it is given unchanged)."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn), requires_grad=False)
 
 
 class MoE(nn.Module):

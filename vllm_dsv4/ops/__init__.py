@@ -38,7 +38,7 @@ if USE_KERNELS:
     from csrc_triton.kv_cache import read_entries
     from csrc_triton.kv_insert import norm_rope_insert
     from csrc_triton.mhc import hc_head, mhc_post, mhc_pre
-    from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
+    from csrc_triton.moe_mxfp4 import moe_experts_fp8, moe_experts_mxfp4
     from csrc_triton.norm import rms_norm
     from csrc_triton.out_proj import rope_out_proj, rope_quant_fp8
     from csrc_triton.rope import apply_rope_tail, norm_rope_tail
@@ -58,7 +58,7 @@ else:
     from csrc_triton.kv_cache_ref import read_entries
     from csrc_triton.kv_insert_ref import norm_rope_insert
     from csrc_triton.mhc_ref import hc_head, mhc_post, mhc_pre
-    from csrc_triton.moe_mxfp4_ref import moe_experts_mxfp4
+    from csrc_triton.moe_mxfp4_ref import moe_experts_fp8, moe_experts_mxfp4
     from csrc_triton.norm_ref import rms_norm
     from csrc_triton.out_proj_ref import rope_out_proj, rope_quant_fp8
     from csrc_triton.rope_ref import apply_rope_tail, norm_rope_tail
@@ -76,6 +76,7 @@ __all__ = [
     "mhc_post",
     "mhc_pre",
     "moe_experts",
+    "moe_experts_fp8",
     "moe_experts_mxfp4",
     "norm_rope_insert",
     "norm_rope_tail",
