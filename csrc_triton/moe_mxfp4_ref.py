@@ -88,7 +88,8 @@ def moe_experts_fp8(
     I, up = w13.shape[1] // 2, -(-w13.shape[1] // 2 // FP8_BLOCK)  # W3's first scale row
 
     def decode(group: Tensor) -> tuple[Tensor, Tensor]:
-        gate, up_rows = decode_fp8(w13[group, :I], w13_scale[group, :up]), decode_fp8(w13[group, I:], w13_scale[group, up:])
+        gate = decode_fp8(w13[group, :I], w13_scale[group, :up])  # [G, I, D]
+        up_rows = decode_fp8(w13[group, I:], w13_scale[group, up:])  # [G, I, D]
         return torch.cat([gate, up_rows], 1), decode_fp8(w2[group], w2_scale[group])  # [G, 2I, D], [G, D, I]
 
     return _moe_decoded(x, weights, ids, w13.shape[0], decode, swiglu_limit, shared)

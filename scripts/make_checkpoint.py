@@ -10,8 +10,9 @@ Presets (docs/MODEL.md §13.1, §1.1):
 
 The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
 (``quantization_config`` + ``expert_dtype: fp4``); the Base presets FP8 block-128 routed experts and
-every block scale as float32 powers of two (``expert_dtype: fp8``, release_checkpoints.md §2). The unquantized variant encodes the SAME function:
-the same master weights are quantized and then stored dequantized in bf16 (exactly representable).
+every block scale as float32 powers of two (``expert_dtype: fp8``, as V4-Flash-Base stores them). The
+unquantized variant encodes the SAME function: the same master weights are quantized and then stored
+dequantized in bf16 (exactly representable).
 Every tensor has its own generator seeded from (seed, name), so a layer's weights do not depend on
 the number of layers or on the order of generation.
 

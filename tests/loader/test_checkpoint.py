@@ -389,7 +389,7 @@ def test_tokenizer_special_tokens(tiny_ckpt):
     assert tok.decode(ids, skip_special_tokens=True).find(enc.bos_token) == -1
 
 
-# ---- V4-Flash-Base: FP8 routed experts, float32 scales (release_checkpoints.md §2) -----------------
+# ---- V4-Flash-Base: FP8 routed experts, float32 scales -----------------------------------------
 
 
 def test_flash_base_table_matches_spec(make_checkpoint_module):

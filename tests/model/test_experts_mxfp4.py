@@ -43,7 +43,8 @@ def loaded(tiny_ckpt):
     return cfg, ckpt, *both
 
 
-def _routing(cfg: Dsv4Config, T: int, seed: int = 0):
+def routing(cfg: Dsv4Config, T: int, seed: int = 0):
+    """``(x [T, D], weights [T, k], ids [T, k])`` on DEVICE: random activations and routing."""
     g = torch.Generator().manual_seed(seed)
     x = 8 * torch.randn(T, cfg.hidden_size, generator=g)  # large enough that the SwiGLU clamps bite
     weights = torch.rand(T, cfg.num_experts_per_tok, generator=g)
@@ -54,11 +55,15 @@ def _routing(cfg: Dsv4Config, T: int, seed: int = 0):
 def naive_experts(cfg: Dsv4Config, ckpt: Checkpoint, x, weights, ids, experts: range) -> torch.Tensor:
     """§6 steps 4-5 in fp64, one token and one pick at a time, over the picks in ``experts``:
     ``sum_j w_j W2 (silu(min(W1 x, L)) * clamp(W3 x, -L, L))`` with the oracle's decode of the
-    checkpoint's bytes. [T, D] float64 (CPU)."""
-    from tests.oracle.hf_oracle import oracle_dequant_mxfp4
+    checkpoint's bytes (MXFP4, or FP8 in V4-Flash-Base). [T, D] float64 (CPU)."""
+    from tests.oracle.hf_oracle import oracle_dequant_fp8, oracle_dequant_mxfp4
 
-    weight = functools.cache(lambda e, w: oracle_dequant_mxfp4(
-        ckpt.get(f"{PREFIX}.{e}.{w}.weight"), ckpt.get(f"{PREFIX}.{e}.{w}.scale")).double())
+    @functools.cache
+    def weight(e: int, w: str) -> torch.Tensor:
+        stored, scale = ckpt.get(f"{PREFIX}.{e}.{w}.weight"), ckpt.get(f"{PREFIX}.{e}.{w}.scale")
+        decode = oracle_dequant_fp8 if stored.dtype == torch.float8_e4m3fn else oracle_dequant_mxfp4
+        return decode(stored, scale).double()
+
     limit = cfg.swiglu_limit
     x, weights, ids = x.double().cpu(), weights.double().cpu(), ids.cpu()
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -109,7 +114,7 @@ def test_packed_parameters_hold_the_checkpoint_bytes(loaded):
 @pytest.mark.parametrize("T", [0, 1, 9])
 def test_packed_and_dequantised_forwards_equal_the_naive_loop(loaded, T):
     cfg, ckpt, packed, dense = loaded
-    x, weights, ids = _routing(cfg, T)
+    x, weights, ids = routing(cfg, T)
     want = naive_experts(cfg, ckpt, x, weights, ids, range(cfg.n_routed_experts))
     for experts in (packed, dense):
         out = experts(x, weights, ids)
@@ -120,7 +125,7 @@ def test_packed_and_dequantised_forwards_equal_the_naive_loop(loaded, T):
 def test_tensor_parallel_ranks_compute_their_own_experts(loaded):
     """Rank r of 2 holds experts [4r, 4r + 4) (packed); other ranks' picks are skipped."""
     cfg, ckpt, packed, _ = loaded
-    x, weights, ids = _routing(cfg, 7, seed=1)
+    x, weights, ids = routing(cfg, 7, seed=1)
     half = cfg.n_routed_experts // 2
     for rank in range(2):
         local = Experts(cfg, Shard(rank, 2), on_gpu=True).to(DEVICE)

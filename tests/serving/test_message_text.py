@@ -92,7 +92,7 @@ def test_operator_text_keeps_the_template_behaviour(raw, tok):
                 user("x")]
     ids = tok.apply_chat_template(messages, [tool], thinking=False)
     assert ids == raw.encode(encode_request(messages, [tool], thinking=False), add_special_tokens=False).ids
-    assert special_ids(raw, ids).count(raw.token_to_id("<｜User｜>")) == 3  # the system's, the developer's, the user's
+    assert special_ids(raw, ids).count(raw.token_to_id("<｜User｜>")) == 3  # the system's, developer's, user's
 
 
 def test_renderer_always_asks_for_token_ids(raw, tok):

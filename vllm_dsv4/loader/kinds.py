@@ -1,4 +1,4 @@
-"""Checkpoint kinds: the release formats a DeepSeek-V4 checkpoint comes in (release_checkpoints.md).
+"""Checkpoint kinds: the release formats a DeepSeek-V4 checkpoint comes in (docs/MODEL.md §3.3).
 
 | kind | checkpoints | routed experts | FP8 block scales | draft module |
 |---|---|---|---|---|
