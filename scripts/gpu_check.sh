@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh gpu-path-flash  # the same at V4-Flash dimensions (6 layers, top-64 log-probs)
 #   scripts/gpu_check.sh gpu-path-base   # the same for V4-Flash-Base's format (FP8 experts; 4 layers at V4-Flash dims)
 #   scripts/gpu_check.sh graph-ops     # each decode op replayed from a CUDA graph vs eager, bit for bit (~1 min)
-#   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager (two engine runs)
+#   scripts/gpu_check.sh graphs        # 128 tokens x 16 prompts with CUDA-graph decode vs eager, batch-invariant
+#                                      # (bit for bit) and default (within the FP8 noise bound): four engine runs
 #   scripts/gpu_check.sh graph-checks  # eager vs eager, and eager on garbage-filled pages with NaN-filled
 #                                      # allocations (three engine runs): tell run-to-run variation and
 #                                      # reads of unwritten memory from replay errors when `graphs` fails
@@ -26,7 +27,7 @@
 #                                      # GEMMs and our MoE vs vLLM's Marlin at decode and prefill sizes (~3 min)
 #   scripts/gpu_check.sh bench-plugin  # scripts/bench_gpu.py, our engine, 6-layer V4-Flash-dims checkpoint;
 #                                      # then scripts/trace_waits.py on its prefill and decode traces
-#   scripts/gpu_check.sh bench-marlin  # our engine with vLLM's Marlin MXFP4 MoE (VLLM_DSV4_MOE=marlin)
+#   scripts/gpu_check.sh bench-invariant  # our engine in batch-invariant mode (VLLM_DSV4_BATCH_INVARIANT=1: Triton MoE)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
 #   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
@@ -147,10 +148,10 @@ case "${1:-unit}" in
     # where the host spends a batch-16 decode step (host-bound at 6 layers)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.decode.trace.json.gz" --gaps 5 --frames 40 \
       > "$LOG_DIR/bench_$engine.decode_host.txt"; head -60 "$LOG_DIR/bench_$engine.decode_host.txt" ;;
-  bench-marlin | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting
+  bench-invariant | bench-fused | bench-einsum | bench-chunk2048)  # our engine with another setting
     flash_checkpoint
     case $1 in
-      bench-marlin) export VLLM_DSV4_MOE=marlin ;;
+      bench-invariant) export VLLM_DSV4_BATCH_INVARIANT=1 ;;
       bench-fused) export VLLM_DSV4_OUT_PROJ=fused ;;
       bench-einsum) export VLLM_DSV4_OUT_PROJ=einsum ;;
       bench-chunk2048) export VLLM_DSV4_ATTN_QUERY_CHUNK=2048 ;;

@@ -6,7 +6,7 @@ listed too (``vllm``), with what we do with them; vLLM documents their values.
 
 A module reads its switches once, when it is imported (``Switch.read()`` at module level), so every
 step of a process takes the same paths; the kernel-path switches are read only where kernels run
-(``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, OUT_PROJ, ATTN),
+(``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, BATCH_INVARIANT, OUT_PROJ, ATTN),
 ``model.attention`` (ATTN_QUERY_CHUNK, ATTN_CALL_BYTES), ``warmup`` (WARMUP), ``compat``
 (BREAKABLE_CUDAGRAPH, read when vLLM's config is checked), ``ops.vllm_kernels``
 (DEEP_GEMM_WARMUP, read at warm-up), ``serving.cli`` (PLUGINS).
@@ -55,9 +55,16 @@ OPS = Switch("VLLM_DSV4_OPS", "triton", "benchmark", meaning=(
     "With CUDA, 'triton' runs our Triton kernels (and vLLM's GEMMs and attention kernels where they apply); "
     "'reference' runs the PyTorch references of csrc_triton instead, as the CPU path does, to bisect a kernel "
     "against them. Without CUDA the references run whatever it says."))
-MOE = Switch("VLLM_DSV4_MOE", "triton", "user", choices=("triton", "marlin"), or_reference=True, meaning=(
-    "Packed MXFP4 experts on the GPU: 'triton', our fused MoE kernel; 'marlin', vLLM's Marlin MXFP4 MoE (opt-in: "
-    "its rows depend on the padding rows of a CUDA graph's batch, so graph decode can differ from eager)."))
+MOE = Switch("VLLM_DSV4_MOE", "auto", "user", choices=("auto", "triton", "marlin"), or_reference=True, meaning=(
+    "Packed MXFP4 experts on the GPU: 'auto', vLLM's Marlin MXFP4 MoE where vLLM ships it (the faster; a row's "
+    "result moves by a bf16 rounding with the padding rows of a CUDA graph's batch), our Triton MoE otherwise and "
+    "in batch-invariant mode; 'triton' or 'marlin' force one ('marlin' is refused in batch-invariant mode)."))
+BATCH_INVARIANT = Switch("VLLM_DSV4_BATCH_INVARIANT", "0", "user", choices=("0", "1"), meaning=(
+    "'1': batch-invariant mode: no row's result depends on the other rows of its step or on the padding rows a "
+    "CUDA graph adds (the routed experts run our Triton MoE), so CUDA-graph decode repeats eager bit for bit. "
+    "Also on where vLLM's VLLM_BATCH_INVARIANT is."))
+VLLM_BATCH_INVARIANT = Switch("VLLM_BATCH_INVARIANT", "0", "vllm", through_vllm=True, meaning=(
+    "vLLM's batch-invariant mode; on, it turns ours on too (VLLM_DSV4_BATCH_INVARIANT)."))
 OUT_PROJ = Switch("VLLM_DSV4_OUT_PROJ", "auto", "benchmark", choices=("auto", "grouped", "fused", "einsum"),
                   or_reference=True, meaning=(
     "wo_a with FP8 weights on the GPU: 'auto', our fused kernel up to ops.OUT_PROJ_FUSED_MAX_TOKENS tokens, above "
@@ -85,5 +92,5 @@ PLUGINS = Switch("VLLM_PLUGINS", None, "vllm", meaning=(
     "vLLM's list of the general plugins to load (all installed ones when unset); `vllm-dsv4 ... --plugin NAME` "
     "adds NAME to it."))
 
-SWITCHES = (OPS, MOE, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES, WARMUP, BREAKABLE_CUDAGRAPH,
+SWITCHES = (OPS, MOE, BATCH_INVARIANT, VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES, WARMUP, BREAKABLE_CUDAGRAPH,
             DEEP_GEMM_WARMUP, PLUGINS)

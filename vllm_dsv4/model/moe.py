@@ -87,16 +87,17 @@ class Experts(nn.Module):
         self.first_expert, self.num_local = shard.first_expert(cfg.n_routed_experts), e
         self.holds_all = e == cfg.n_routed_experts  # then the router's ids are local ids already
         self.limit = cfg.swiglu_limit
-        self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ops.MOE_BACKEND picks it
+        self.marlin = None  # vLLM's Marlin MoE over repacked weights, when ``uses_marlin()``
         self.narrow_scales = False  # every scale byte <= 128: the Triton decode's single product (finish_loading)
 
     def finish_loading(self) -> None:
         """After loading: note whether the scales are narrow (one host read), and hand the packed
-        experts to vLLM's Marlin MoE if selected (it repacks them; the checkpoint-layout copies are released)."""
+        experts to vLLM's Marlin MoE where it runs them (``uses_marlin``: it repacks them; the
+        checkpoint-layout copies are released)."""
         if not self.packed:
             return
         self.narrow_scales = all(int(s.max()) <= 128 for s in (self.w13_scale, self.w2_scale) if s.numel())
-        if ops.MOE_BACKEND != "marlin":
+        if not uses_marlin():
             return
         self.marlin = vllm_kernels.marlin_mxfp4_experts(self.w13.data, self.w13_scale.data, self.w2.data,
                                                   self.w2_scale.data, self.limit)
@@ -124,6 +125,11 @@ class Experts(nn.Module):
         else:
             routed = ops.moe_experts(x, weights, local, self.w13, self.w2, self.limit)
         return routed if shared is None else (routed + shared).to(x.dtype)
+
+
+def uses_marlin() -> bool:
+    """Whether packed experts run vLLM's Marlin MoE (``ops.MOE_BACKEND``; ``auto``: where vLLM ships it)."""
+    return ops.MOE_BACKEND == "marlin" or (ops.MOE_BACKEND == "auto" and vllm_kernels.has_marlin_mxfp4_moe())
 
 
 def _bytes(*shape: int) -> nn.Parameter:

@@ -8,7 +8,7 @@ path. Same names and signatures either way. Ops without a kernel yet use the ref
 the caches runs FlashMLA's sparse kernels where they apply (flashmla.py, falling back to ours):
 ``sparse_attn_cached`` for decode steps (graph-capturable), ``sparse_attn_prefill`` (same semantics,
 FlashMLA's prefill kernel, host syncs) for the others. The switches (``VLLM_DSV4_OPS``, ``_MOE``,
-``_OUT_PROJ``, ``_ATTN``) are envs.py's.
+``_BATCH_INVARIANT``, ``_OUT_PROJ``, ``_ATTN``) are envs.py's.
 """
 
 import torch
@@ -19,10 +19,19 @@ from vllm_dsv4 import envs
 
 ON_CUDA = torch.cuda.is_available()
 USE_KERNELS = ON_CUDA and envs.OPS.read() != "reference"
-# Packed MXFP4 experts: our Triton MoE, or vLLM's Marlin MoE (vllm_kernels.py, binding 2: faster at
-# decode sizes, but opt-in: with it, CUDA-graph decode parts from eager in the e2e comparison although
-# the op alone replays bit for bit).
+# Batch-invariant mode: a row's result never depends on the other rows of its step, nor on the padding
+# rows a CUDA graph adds to reach its captured size, so CUDA-graph decode repeats eager bit for bit
+# (tests/e2e/test_gpu_path.py).
+BATCH_INVARIANT = USE_KERNELS and (envs.BATCH_INVARIANT.read() == "1" or bool(envs.VLLM_BATCH_INVARIANT.read()))
+# Packed MXFP4 experts (vllm_kernels.py, binding 2): "auto" takes vLLM's Marlin MoE where vLLM ships it
+# (faster per call than ours at decode and prefill sizes, docs/bench), but its tiling follows the row
+# count, so a row's result moves by a bf16 rounding with the batch's padding; batch-invariant mode
+# takes our Triton MoE, which reduces each row alone.
 MOE_BACKEND = envs.MOE.read() if USE_KERNELS else "reference"
+if BATCH_INVARIANT and MOE_BACKEND == "marlin":
+    raise ValueError("VLLM_DSV4_MOE=marlin is not batch-invariant: unset it or VLLM_DSV4_BATCH_INVARIANT")
+if BATCH_INVARIANT and MOE_BACKEND == "auto":
+    MOE_BACKEND = "triton"
 # wo_a with FP8 weights: our fused kernel (csrc_triton/out_proj.py) up to OUT_PROJ_FUSED_MAX_TOKENS
 # tokens under "auto", where it beats one GEMM per head group; above it, where the fused kernel's
 # per-token work loses to GEMMs, our de-rotating quantiser then DeepGEMM's grouped GEMM where vLLM ships

@@ -9,12 +9,12 @@ offers | how we bind it | where it does not bind | what runs instead). These are
    ``process_weights_after_loading`` and computes in ``apply_weights`` | ``block_fp8_gemm()`` | no block
    kernel for the shape, or the selection API missing | ``per_token_group_quant_fp8`` +
    ``w8a8_triton_block_scaled_mm`` (``fp8_utils``), ``triton_block_fp8_gemm()``.
-2. Marlin MXFP4 fused MoE (GPU path, opt-in ``VLLM_DSV4_MOE=marlin``) | ``fused_moe.experts.marlin_moe``
-   ``fused_marlin_moe`` (what vLLM 0.26's in-tree DeepSeek-V4 runs on Hopper, with SILU + clamp) over
-   weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin`` |
-   ``marlin_mxfp4_experts()`` | CPU | our Triton MoE (csrc_triton/moe_mxfp4.py), the default: with
-   Marlin, CUDA-graph decode parts from eager (a row depends on the graph batch's padding rows), while
-   tests/model/test_graph_replay.py's Marlin cases replay bit for bit.
+2. Marlin MXFP4 fused MoE (GPU path, the default where it binds; not in batch-invariant mode) |
+   ``fused_moe.experts.marlin_moe`` ``fused_marlin_moe`` (what vLLM 0.26's in-tree DeepSeek-V4 runs on
+   Hopper, with SILU + clamp) over weights repacked by ``marlin_utils_fp4.prepare_moe_mxfp4_layer_for_marlin``
+   | ``marlin_mxfp4_experts()``; ``has_marlin_mxfp4_moe()`` says whether it binds | CPU, no Marlin in the
+   build or on the device | our Triton MoE (csrc_triton/moe_mxfp4.py), which also runs in batch-invariant
+   mode: Marlin's row results depend on how many rows share a call (tests/model/test_graph_replay.py).
 3. FlashMLA sparse FP8 attention (GPU path) | ``vllm.v1.attention.ops.flashmla``:
    ``flash_mla_with_kvcache`` (sparse mode: ``indices`` + ``extra_k_cache``, ``attn_sink``,
    ``topk_length``) and ``FlashMLASchedMeta`` for decode, ``flash_mla_sparse_fwd`` (bf16 keys, indices,
@@ -226,6 +226,16 @@ def flashmla_sparse() -> SimpleNamespace | None:
 def _warn_once(message: str) -> None:
     """Each message once per process: the binding that emits it runs for every FP8 linear of every layer."""
     logger.warning("vllm-dsv4: %s", message)
+
+
+def has_marlin_mxfp4_moe() -> bool:
+    """Binding 2: whether this vLLM build and device run the Marlin MXFP4 MoE (asked in the worker)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe  # noqa: F401
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
+    except ImportError:
+        return False
+    return is_fp4_marlin_supported()
 
 
 def marlin_mxfp4_experts(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
