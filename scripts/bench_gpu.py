@@ -159,8 +159,11 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max(decode_batches),
               max_num_batched_tokens=8192, seed=0, **ENGINES[name]["engine"], **(drafting if mtp else {}))
+    import torch
+
     result = dict(engine=name, time_to_ready_s=time.perf_counter() - start, **kv_capacity(llm),
-                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")})
+                  env={k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_DSV4_")},
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if ready_only:
         return result
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -245,15 +248,38 @@ def table_rows(keys: set[str]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def report(results: dict[str, dict]) -> str:
+def floor_cells(results: dict[str, dict], model: str | None) -> dict[str, str]:
+    """Metric key -> its floor (scripts/floors.py: decode tok/s at the HBM floor, prefill tok/s at the
+    tensor-core floor) for ``model`` on the card the runs name; empty without ``model``."""
+    if not model:
+        return {}
+    from scripts.floors import CARDS, Card, floors, load_config
+
+    devices = {r.get("device", "") for r in results.values()}
+    card = "h100" if any("H100" in d for d in devices) else "h200"
+    keys = {k for r in results.values() for k in r}
+    batches = [int(k.rsplit("_b", 1)[1]) for k in keys if k.startswith("decode_tok_s_b")]
+    lens = [int(k.rsplit("_", 1)[1]) for k in keys if k.startswith("prefill_tok_s_")]
+    found = floors(load_config(model, None), Card(*CARDS[card]), batches=batches, lens=lens)
+    return ({f"decode_tok_s_b{b}": f"{r['tok_s']:,.0f} ({card})" for b, r in found["decode"].items()}
+            | {f"prefill_tok_s_{n}": f"{r['tok_s']:,.0f} ({card})" for n, r in found["prefill"].items()})
+
+
+def report(results: dict[str, dict], model: str | None = None) -> str:
+    """The table of one or both engines' runs; with ``model`` (the checkpoint), a column of floors."""
     ours, theirs = results.get("plugin", {}), results.get("intree", {})
-    lines = ["| metric | plugin | in-tree | plugin / in-tree |", "| --- | --- | --- | --- |"]
+    floor = floor_cells(results, model)
+    extra = (" floor |", " --- |") if floor else ("", "")
+    lines = ["| metric | plugin | in-tree | plugin / in-tree |" + extra[0], "| --- | --- | --- | --- |" + extra[1]]
     for key, label, fmt, better in table_rows({k for r in results.values() for k in r}):
         a, b = ours.get(key), theirs.get(key)
         ratio = f"{a / b:.2f}" if a is not None and b else "-"
         ratio += f" ({better} is better)" if better != "-" and ratio != "-" else ""
         cell = lambda v: fmt.format(v) if v is not None else "-"  # noqa: E731
-        lines.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
+        lines.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |" + (f" {floor.get(key, '-')} |" if floor else ""))
+    devices = sorted({r["device"] for r in results.values() if r.get("device")})
+    if devices:
+        lines.append(f"\ndevice: {', '.join(devices)}")
     if ours.get("env"):
         lines.append(f"\nplugin settings: {' '.join(f'{k}={v}' for k, v in ours['env'].items())}")
     return "\n".join(lines)
@@ -266,7 +292,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="save the results (JSON) here")
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    ap.add_argument("--report", nargs="+", type=Path, help="print the table of saved runs and exit")
+    ap.add_argument("--report", nargs="+", type=Path,
+                    help="print the table of saved runs and exit (with --model: their floors beside them)")
     ap.add_argument("--decode-batches", default=",".join(map(str, DECODE_BATCHES)))
     ap.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)))
     ap.add_argument("--profile", action="store_true",
@@ -290,7 +317,7 @@ def main() -> int:
         results = {}
         for saved in (json.loads(p.read_text()) for p in args.report):  # one engine's run, or several
             results.update({saved["engine"]: saved} if "engine" in saved else saved)
-        print(report(results))
+        print(report(results, args.model))
         return 0
 
     if args.out:

@@ -159,7 +159,7 @@ case "${1:-unit}" in
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" \
       > "$LOG_DIR/$1.log" 2>&1; summary "$LOG_DIR/$1.log" ;;
   report)
-    python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json ;;
+    python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json --model "$FLASH" ;;
   save-caches)  # the JIT caches (Triton's for our kernels and vLLM's, DeepGEMM's, TileLang's) as 15 MiB parts
     # for the next machine, which would compile everything again (gpu-path-flash: cut at 420 s cold, 141 s warm)
     dirs=()
