@@ -24,7 +24,7 @@ plugin disabled through ``VLLM_PLUGINS``). Measured per engine, after warming ev
   * with ``--mtp K``, both engines draft K tokens per step with the checkpoint's MTP module; the
     decode rows then include drafting and verifying, and the table adds the drafts' acceptance
     (random-weight checkpoints accept almost none: the rows then price MTP's overhead);
-  * with ``--profile``, for 16 decode steps at batch 16 and an 8k-token prefill: the CUDA kernels
+  * with ``--profile``, for 16 decode steps at batch 16 and at batch 1 and an 8k-token prefill: the CUDA kernels
     and the host-side ops that dominate (torch profiler tables, with the steps' wall time), and the
     prefill's trace (Chrome trace format, gzipped) to find where the GPU waits on the host.
 vLLM 0.26's in-tree model applies YaRN to window-only layers (fixed in 0.32): compare speed, not outputs.
@@ -180,8 +180,9 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
         print(f"[{name}] prefill {length}: {length / seconds:.0f} tok/s", flush=True)
     if mtp:
         result.update(mtp_draft_tokens=mtp, mtp_acceptance=draft_acceptance(llm))
-    if profile_path:  # 16 decode steps of 16 requests; one 8k-token prefill
+    if profile_path:  # 16 decode steps of 16 requests, and of one; one 8k-token prefill
         profile_steps(llm, prompts(16, PROMPT_LEN, 16, vocab), 17, profile_path.with_suffix(".decode.txt"))
+        profile_steps(llm, prompts(1, PROMPT_LEN, 1, vocab), 17, profile_path.with_suffix(".decode1.txt"))
         profile_steps(llm, prompts(1, 8192, 8192, vocab), 1, profile_path.with_suffix(".prefill.txt"))
     return result
 

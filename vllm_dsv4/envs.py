@@ -6,10 +6,11 @@ listed too (``vllm``), with what we do with them; vLLM documents their values.
 
 A module reads its switches once, when it is imported (``Switch.read()`` at module level), so every
 step of a process takes the same paths; the kernel-path switches are read only where kernels run
-(``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, BATCH_INVARIANT, OUT_PROJ, ATTN),
-``model.attention`` (ATTN_QUERY_CHUNK, ATTN_CALL_BYTES), ``warmup`` (WARMUP), ``compat``
-(BREAKABLE_CUDAGRAPH, read when vLLM's config is checked), ``ops.vllm_kernels``
-(DEEP_GEMM_WARMUP, read at warm-up), ``serving.cli`` (PLUGINS).
+(``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, BATCH_INVARIANT,
+VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN), ``model.attention`` (ATTN_QUERY_CHUNK, ATTN_CALL_BYTES),
+``warmup`` (WARMUP), ``compat`` (BREAKABLE_CUDAGRAPH, read when vLLM's config is checked),
+``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``serving.cli`` (PLUGINS), ``plugin``
+(TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
 """
 
 from __future__ import annotations
@@ -92,5 +93,12 @@ PLUGINS = Switch("VLLM_PLUGINS", None, "vllm", meaning=(
     "vLLM's list of the general plugins to load (all installed ones when unset); `vllm-dsv4 ... --plugin NAME` "
     "adds NAME to it."))
 
-SWITCHES = (OPS, MOE, BATCH_INVARIANT, VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES, WARMUP, BREAKABLE_CUDAGRAPH,
-            DEEP_GEMM_WARMUP, PLUGINS)
+TRITON_CACHE_DIR = Switch("TRITON_CACHE_DIR", None, "user", meaning=(
+    "Triton's kernel cache (Triton's variable). Unset, the plugin sets it to VLLM_CACHE_ROOT/triton in every "
+    "process: our kernels and vLLM's compile once into vLLM's cache root, beside DeepGEMM's, one folder to keep "
+    "for warm starts."))
+VLLM_CACHE_ROOT = Switch("VLLM_CACHE_ROOT", "~/.cache/vllm", "vllm", through_vllm=True, meaning=(
+    "vLLM's cache root; Triton's kernel cache goes under it unless TRITON_CACHE_DIR is set."))
+
+SWITCHES = (OPS, MOE, BATCH_INVARIANT, VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES,
+            WARMUP, BREAKABLE_CUDAGRAPH, DEEP_GEMM_WARMUP, PLUGINS, TRITON_CACHE_DIR, VLLM_CACHE_ROOT)

@@ -29,6 +29,7 @@ def register() -> None:
     from vllm_dsv4 import compat, patches
 
     compat.check_supported_version()
+    _jit_cache_under_vllm_root()
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from vllm_dsv4.loader.quant_config import NAME, Dsv4CheckpointQuantConfig
@@ -53,3 +54,14 @@ def warm_up_kernels(model_runner) -> None:
     from vllm_dsv4.warmup import warm_up_kernels as run
 
     run(model_runner)
+
+
+def _jit_cache_under_vllm_root() -> None:
+    """Triton's compiled kernels (ours and vLLM's) under vLLM's cache root, beside DeepGEMM's, unless
+    ``TRITON_CACHE_DIR`` names a folder: one folder (``VLLM_CACHE_ROOT``) to keep for warm starts on
+    any machine. Every process calls this before its first compile (workers inherit the variable)."""
+    import os
+
+    from vllm_dsv4 import envs
+
+    os.environ.setdefault(envs.TRITON_CACHE_DIR.name, os.path.join(envs.VLLM_CACHE_ROOT.read(), "triton"))
