@@ -33,7 +33,8 @@
 #   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #                                      # (MTP=K before either: both engines draft K tokens per step;
-#                                      # FIRST_START=1: each engine started once before, that start reported too)
+#                                      # FIRST_START=1: each engine started once before, that start reported too;
+#                                      # JIT_ROOT=DIR: with it, each engine's JIT caches empty at its first start)
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 #   scripts/gpu_check.sh save-caches   # the JIT caches as 15 MiB parts in $LOG_DIR (to carry to the next machine)
 #   scripts/gpu_check.sh restore-caches  # unpack them from CACHE_PARTS (default .devcache) before the first engine
@@ -141,7 +142,7 @@ case "${1:-unit}" in
     engine=${1#bench-}
     flash_checkpoint
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines "$engine" --out "$LOG_DIR/bench" --profile \
-      --mtp "${MTP:-0}" ${FIRST_START:+--first-start} \
+      --mtp "${MTP:-0}" ${FIRST_START:+--first-start} ${JIT_ROOT:+--jit-root "$JIT_ROOT"} \
       > "$LOG_DIR/bench_$engine.log" 2>&1; summary "$LOG_DIR/bench_$engine.log"
     # where the 8k prefill waits on the host (GPU idle gaps, syncs by the code that made them)
     python scripts/trace_waits.py "$LOG_DIR/bench.$engine.prefill.trace.json.gz" | head -40
