@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_dsv4.config import Dsv4Config  # noqa: E402
+from vllm_dsv4.config import Dsv4Config, LayerKind  # noqa: E402
 from vllm_dsv4.kv.layout import layer_components  # noqa: E402
 from vllm_dsv4.loader.checkpoint import layer_tensors, top_level_tensors  # noqa: E402
 
@@ -80,17 +80,17 @@ def expected_distinct_experts(cfg: Dsv4Config, batch: int) -> float:
     return e * (1 - (1 - k / e) ** batch)
 
 
-def kv_bytes_per_request(cfg: Dsv4Config, ratio: int, context: int) -> int:
-    """The cache bytes one decode query of a layer of compress ratio ``ratio`` reads (FP8 KV)."""
-    comps = layer_components(cfg, ratio, None, 256, fp8=True)
+def kv_bytes_per_request(cfg: Dsv4Config, kind: LayerKind, context: int) -> int:
+    """The cache bytes one decode query of a layer of ``kind`` reads (FP8 KV)."""
+    comps = layer_components(cfg, kind, None, 256, fp8=True)
     total = min(context, cfg.sliding_window) * comps["swa"].entry_bytes
-    if ratio == 4:
+    if kind is LayerKind.C4:
         entries = context // 4
         total += min(entries, cfg.index_topk) * comps["c4"].entry_bytes + entries * comps["indexer"].entry_bytes
-        total += sum(c.window_tokens * c.entry_bytes for n, c in comps.items() if n.endswith("_state"))
-    elif ratio == 128:
-        total += context // 128 * comps["c128"].entry_bytes + comps["c128_state"].window_tokens * comps[
-            "c128_state"].entry_bytes
+    elif kind is LayerKind.C128:
+        total += context // 128 * comps["c128"].entry_bytes
+    # the compressor states' open windows
+    total += sum(c.window_tokens * c.entry_bytes for n, c in comps.items() if n.endswith("_state"))
     return total
 
 
@@ -102,7 +102,7 @@ def decode_bytes(cfg: Dsv4Config, batch: int, context: int = CONTEXT) -> dict[st
         parts["experts"] += distinct * per_expert
         parts["other_weights"] += sum(_bytes(s) for n, s in layer_tensors(cfg, layer).items()
                                       if not _is_routed_expert(n) and not n.endswith("tid2eid"))
-        parts["kv"] += batch * kv_bytes_per_request(cfg, cfg.compress_ratio(layer), context)
+        parts["kv"] += batch * kv_bytes_per_request(cfg, cfg.layer_kind(layer), context)
     top = top_level_tensors(cfg)
     parts["head"] = _bytes(top["head.weight"])
     parts["other_weights"] += batch * cfg.hidden_size * 2  # the embedding's rows
@@ -136,12 +136,11 @@ def prefill_flops(cfg: Dsv4Config, tokens: int) -> dict[str, float]:
         parts["fp8_linears"] += fp8 * tokens
         parts["bf16_linears"] += bf16 * tokens
         parts["experts"] += per_token_expert * tokens
-        ratio = cfg.compress_ratio(layer)
-        keys = window_keys
-        if ratio == 4:
+        kind, keys = cfg.layer_kind(layer), window_keys
+        if kind is LayerKind.C4:
             keys += sum(min(p // 4, cfg.index_topk) for p in range(tokens))
             parts["indexer"] += 2 * cfg.index_n_heads * cfg.index_head_dim * sum(p // 4 for p in range(tokens))
-        elif ratio == 128:
+        elif kind is LayerKind.C128:
             keys += sum(p // 128 for p in range(tokens))
         parts["attention"] += 2 * h * (hd + hd) * keys  # scores and values, 2 FLOPs per multiply-add
     parts["head"] = 2 * cfg.vocab_size * d
