@@ -94,8 +94,8 @@ def test_moe_rows_do_not_depend_on_padding_rows(experts):
     runs it as it is: each real row must come out the same either way, or graph and eager part. Our
     kernel reduces each row in a fixed order. vLLM's Marlin MoE does not (at V4-Flash's shape a row of
     5 came out one bf16 step away from the same row padded to 16; its tiling follows the row count),
-    which is why its whole-model graph decode parts from eager while each replay matches and why it
-    stays opt-in."""
+    which is why its whole-model graph decode parts from eager while each replay matches, and why
+    batch-invariant mode (VLLM_DSV4_BATCH_INVARIANT=1) runs our kernel."""
     from csrc_triton.moe_mxfp4 import moe_experts_mxfp4
 
     weights, routed = experts
