@@ -153,7 +153,7 @@ def draft_acceptance(llm) -> float:
 
 def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization: float,
                decode_batches=DECODE_BATCHES, prefill_lens=PREFILL_LENS, profile_path: Path | None = None,
-               mtp: int = 0, ready_only: bool = False) -> dict:
+               mtp: int = 0, ready_only: bool = False, first_requests: bool = True) -> dict:
     from vllm import LLM
 
     drafting = dict(speculative_config={"method": "mtp", "num_speculative_tokens": mtp}, disable_log_stats=False)
@@ -169,9 +169,10 @@ def run_engine(name: str, model: str, max_model_len: int, gpu_memory_utilization
     if ready_only:
         return result
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    result["first_requests_s"], result["first_requests_again_s"] = first_requests_s(llm, vocab)
-    print(f"[{name}] first requests: {result['first_requests_s']:.2f} s, again {result['first_requests_again_s']:.2f} s",
-          flush=True)
+    if first_requests:
+        result["first_requests_s"], result["first_requests_again_s"] = first_requests_s(llm, vocab)
+        print(f"[{name}] first requests: {result['first_requests_s']:.2f} s, "
+              f"again {result['first_requests_again_s']:.2f} s", flush=True)
     for batch_size in decode_batches:
         result[f"decode_tok_s_b{batch_size}"] = decode_tok_s(llm, prompts(batch_size, PROMPT_LEN, batch_size, vocab),
                                                              OUTPUT_LEN)
@@ -320,6 +321,8 @@ def main() -> int:
     ap.add_argument("--jit-root", type=Path,
                     help="each engine's JIT caches under JIT_ROOT/<engine>, emptied first (a cold first start)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--first-requests", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the first requests after ready (--no-first-requests: skip them)")
     ap.add_argument("--ready-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -328,7 +331,7 @@ def main() -> int:
         profile_path = args.out.with_suffix(".profile") if args.profile else None
         result = run_engine(args.worker, args.model, args.max_model_len, args.gpu_memory_utilization,
                             ints(args.decode_batches), ints(args.prefill_lens), profile_path, args.mtp,
-                            args.ready_only)
+                            args.ready_only, args.first_requests)
         args.out.write_text(json.dumps(result, indent=2))
         return 0
     if args.report:
@@ -349,7 +352,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--out", str(out),
                "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-               "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens, "--mtp", str(args.mtp)]
+               "--decode-batches", args.decode_batches, "--prefill-lens", args.prefill_lens, "--mtp", str(args.mtp),
+               "--first-requests" if args.first_requests else "--no-first-requests"]
         first = None
         if args.first_start:
             if subprocess.run(cmd + ["--ready-only"], env=env).returncode != 0:
