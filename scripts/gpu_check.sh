@@ -35,6 +35,9 @@
 #                                      # (MTP=K before either: both engines draft K tokens per step;
 #                                      # FIRST_START=1: each engine started once before, that start reported too;
 #                                      # JIT_ROOT=DIR: with it, each engine's JIT caches empty at its first start)
+#   scripts/gpu_check.sh bench-serve   # scripts/bench_serve.sh: vllm bench serve against both engines' servers
+#                                      # (1k/128 and 8k/1k, concurrency 1, 16, 64 and the most that fit; ~15 min:
+#                                      # SHAPES / CONCURRENCY narrow it to fit a call)
 #   scripts/gpu_check.sh report        # the benchmark table from the two saved runs
 #   scripts/gpu_check.sh save-caches   # the JIT caches as 15 MiB parts in $LOG_DIR (to carry to the next machine)
 #   scripts/gpu_check.sh restore-caches  # unpack them from CACHE_PARTS (default .devcache) before the first engine
@@ -161,6 +164,10 @@ case "${1:-unit}" in
     esac
     timeout "$LIMIT" python scripts/bench_gpu.py --model "$FLASH" --engines plugin --out "$LOG_DIR/$1" \
       > "$LOG_DIR/$1.log" 2>&1; summary "$LOG_DIR/$1.log" ;;
+  bench-serve)
+    flash_checkpoint
+    OUT_DIR="$LOG_DIR/serve" timeout "$LIMIT" bash scripts/bench_serve.sh "$FLASH" > "$LOG_DIR/bench_serve.log" 2>&1
+    tail -30 "$LOG_DIR/bench_serve.log" ;;
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json --model "$FLASH" ;;
   save-caches)  # the JIT caches (Triton's for our kernels and vLLM's, DeepGEMM's, TileLang's) as 15 MiB parts
