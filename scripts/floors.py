@@ -20,9 +20,9 @@ and bf16 weights, attention, at the bf16 rate; the head on the last token only. 
 min(p + 1, window) window keys, min(p // 4, index_topk) C4 entries and p // 128 C128 entries, and the
 indexer scores p // 4 keys. A floor is what no implementation beats; what a kernel reaches is a share of it.
 
-Ceilings: measured on this workplace's machines (the device tool's KINDS.md: a device-to-device copy,
-bytes read + written; an 8192^3 bf16 matrix product on random data). The FP8 rate is taken as twice the
-bf16 one (the datasheets' ratio; not measured here).
+Ceilings: measured on the H200 and H100 machines the benchmarks run on (a device-to-device copy, bytes
+read + written; an 8192^3 bf16 matrix product on random data), not the datasheets'. The FP8 rate is
+taken as twice the bf16 one (the datasheets' ratio; not measured).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from vllm_dsv4.config import Dsv4Config, LayerKind  # noqa: E402
 from vllm_dsv4.kv.layout import layer_components  # noqa: E402
 from vllm_dsv4.loader.checkpoint import layer_tensors, top_level_tensors  # noqa: E402
 
-CARDS = {  # bytes/s, bf16 FLOP/s; KINDS.md's readings (H200: 2026-11-04, H100: 2026-11-13)
+CARDS = {  # bytes/s, bf16 FLOP/s, as measured (module doc)
     "h200": (4.3e12, 790e12),
     "h100": (3.0e12, 798e12),
 }
