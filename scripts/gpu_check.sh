@@ -62,8 +62,8 @@ esac
 VLLM_KERNEL_TESTS="vllm_block_fp8 or vllm_triton_fallback or grouped_wo_a_in_fp8 or vllm_picks or marlin_moe"
 # not yet passed on a GPU: the FP8 (V4-Flash-Base) routed experts and the MXFP4 kernel file they now share;
 # the MXFP4 experts' file with Marlin the default (the graph tests of both MoE modes: `graphs`)
-CHANGED_TESTS="tests/csrc_triton/test_moe_fp8_kernel.py tests/model/test_experts_fp8.py tests/csrc_triton/test_moe_mxfp4_kernel.py
-  tests/model/test_experts_mxfp4.py"
+CHANGED_TESTS="tests/csrc_triton/test_moe_fp8_kernel.py tests/model/test_experts_fp8.py
+  tests/csrc_triton/test_moe_mxfp4_kernel.py tests/model/test_experts_mxfp4.py"
 # the engine finds the plugin through its installed entry point: fail now, not after an engine start
 python - <<'PY' || exit 1
 import importlib.metadata as md

@@ -92,10 +92,10 @@ def report(model: str, folder: Path, card: str) -> str:
             if r is None:
                 continue
             waiting = f"{r['max_waiting']:.0f}" if "max_waiting" in r else "-"
-            lines.append(
-                f"| {inp} / {out} | {conc} | {engine} | {r['output_throughput']:,.0f} | "
-                f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.2f} / {r['p99_tpot_ms']:.2f} "
-                f"| {waiting} | {tpot_floor:.2f} | {ttft_floor if conc == 1 else float('nan'):.1f} |")
+            ttft = f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}"
+            tpot = f"{r['median_tpot_ms']:.2f} / {r['p99_tpot_ms']:.2f}"
+            lines.append(f"| {inp} / {out} | {conc} | {engine} | {r['output_throughput']:,.0f} | {ttft} | {tpot} "
+                         f"| {waiting} | {tpot_floor:.2f} | {ttft_floor if conc == 1 else float('nan'):.1f} |")
     return "\n".join(lines).replace("| nan |", "| - |")
 
 
