@@ -7,6 +7,10 @@ Presets (docs/MODEL.md §13.1, §1.1):
   ktiny     the kernel-shaped KTINY config (head_dim 512, index_head_dim 128, ...)
   flash     real V4-Flash dimensions, truncated to ``--num-layers`` (default 6) main layers
   tiny-base, flash-base   tiny / flash in V4-Flash-Base's format: FP8 routed experts, float32 scales
+  tiny-0731, tiny-pro-0813, flash-0731
+            the same with the DSpark drafter of V4-Flash-0731 / V4-Pro-0813 instead of the MTP module
+            (dspark.md §2): one stage per target layer (the last three main layers), compress_ratios
+            extended by three zeros, num_nextn_predict_layers left at 1 as the releases do
 
 The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
 (``quantization_config`` + ``expert_dtype: fp4``); the Base presets FP8 block-128 routed experts and
@@ -16,7 +20,7 @@ dequantized in bf16 (exactly representable).
 Every tensor has its own generator seeded from (seed, name), so a layer's weights do not depend on
 the number of layers or on the order of generation.
 
-Shards are written group by group (top level, each layer, each MTP module), each group split into
+Shards are written group by group (top level, each layer, each draft block), each group split into
 files of at most ``MAX_SHARD_BYTES``, so memory holds at most one layer's tensors.
 
   python scripts/make_checkpoint.py --preset tiny --out /tmp/dsv4-tiny [--unquantized] [--seed N]
@@ -185,6 +189,32 @@ _KTINY_OVERRIDES: dict[str, Any] = {
     "max_position_embeddings": 65536,
 }
 
+# What V4-Flash-0731 adds to the preview config (release_checkpoints.md §5.2): three DSpark stages
+# after the last main layer (num_nextn_predict_layers stays 1); V4-Pro-0813's block is the same with
+# target layers 58-60 and Markov rank 512 (§6)
+_FLASH_0731_OVERRIDES: dict[str, Any] = {
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [40, 41, 42],
+    "dspark_markov_rank": 256,
+}
+# The tiny DSpark presets: the drafter of the release at tiny size. The noise token is "</think>", as
+# 128799 is in the released tokenizer; the Markov ranks keep Pro's at twice Flash's.
+_TINY_0731_OVERRIDES: dict[str, Any] = {
+    **_FLASH_0731_OVERRIDES,
+    "compress_ratios": [0, 4, 128, 4] + [0, 0, 0],
+    "dspark_noise_token_id": 5,
+    "dspark_target_layer_ids": [1, 2, 3],
+    "dspark_markov_rank": 8,
+}
+_TINY_PRO_0813_OVERRIDES: dict[str, Any] = {
+    **_TINY_0731_OVERRIDES,
+    "compress_ratios": [128, 128, 4, 128, 4] + [0, 0, 0],
+    "dspark_target_layer_ids": [2, 3, 4],
+    "dspark_markov_rank": 16,
+}
+
 # Each preset as its overrides of the released V4-Flash config (tiny-pro's and ktiny's on top of tiny's)
 _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "tiny": _TINY_OVERRIDES,
@@ -193,6 +223,9 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "flash": {},
     "tiny-base": _TINY_OVERRIDES,
     "flash-base": {},
+    "tiny-0731": {**_TINY_OVERRIDES, **_TINY_0731_OVERRIDES},
+    "tiny-pro-0813": {**_TINY_OVERRIDES, **_TINY_PRO_OVERRIDES, **_TINY_PRO_0813_OVERRIDES},
+    "flash-0731": _FLASH_0731_OVERRIDES,
 }
 PRESETS = tuple(_PRESET_OVERRIDES)
 # The routed experts' format of the quantized variant (V4-Flash-Base: FP8); every other preset: MXFP4
@@ -210,7 +243,8 @@ _INERT = {
 
 def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
     """Keep the first ``num_layers`` main-layer ratios (repeating the C4/C128 pattern if more are
-    asked for), re-append the MTP ratios, and cap ``num_hash_layers``."""
+    asked for), re-append the draft's ratios, cap ``num_hash_layers``, and keep DSpark's target layers
+    as far from the last layer as they were."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     old = raw["num_hidden_layers"]
@@ -220,6 +254,11 @@ def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
     raw["compress_ratios"] = main[:num_layers] + mtp
     raw["num_hidden_layers"] = num_layers
     raw["num_hash_layers"] = min(raw["num_hash_layers"], num_layers)
+    if "dspark_target_layer_ids" in raw:
+        targets = [i - old + num_layers for i in raw["dspark_target_layer_ids"]]
+        if min(targets) < 0:
+            raise ValueError(f"{num_layers} layers cannot hold the DSpark target layers {raw['dspark_target_layer_ids']}")
+        raw["dspark_target_layer_ids"] = targets
 
 
 def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None) -> dict[str, Any]:
@@ -227,7 +266,7 @@ def make_config(preset: str, *, quantized: bool = True, num_layers: int | None =
     if preset not in _PRESET_OVERRIDES:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
     raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset]}))  # a deep copy: callers may edit it
-    if preset in ("flash", "flash-base") and num_layers is None:
+    if preset.startswith("flash") and num_layers is None:
         num_layers = 6
     if num_layers is not None and num_layers != raw["num_hidden_layers"]:
         _truncate_layers(raw, num_layers)
@@ -503,7 +542,7 @@ def make_checkpoint(
 
     groups: list[tuple[str, Callable[[Dsv4Config], dict]]] = [("top", ckpt_table.top_level_tensors)]
     groups += [(f"layer{i:03d}", lambda c, i=i: ckpt_table.layer_tensors(c, i)) for i in range(cfg.num_hidden_layers)]
-    groups += [(f"mtp{k}", lambda c, k=k: ckpt_table.mtp_tensors(c, k)) for k in range(cfg.num_nextn_predict_layers)]
+    groups += [(f"mtp{k}", lambda c, k=k: ckpt_table.draft_tensors(c, k)) for k in range(cfg.draft_layers)]
 
     weight_map: dict[str, str] = {}
     writer = _ShardWriter(out, weight_map)

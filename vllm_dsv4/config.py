@@ -59,6 +59,46 @@ class Yarn:
 
 
 @dataclass(frozen=True)
+class DSparkConfig:
+    """The keys of a DSpark drafter (V4-Flash-0731, V4-Pro-0813): ``block_size`` tokens drafted per step by
+    default, the ``noise_token_id`` filling the block after its anchor, the main layers whose outputs feed
+    the drafter (one draft stage each, ``mtp.0 ..``) and the rank of its Markov head."""
+
+    block_size: int
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+
+    KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], num_layers: int, vocab_size: int) -> "DSparkConfig | None":
+        """None without DSpark keys; ConfigError naming the key for a partial or inconsistent set."""
+        present = [k for k in cls.KEYS if k in raw]
+        if not present:
+            return None
+        missing = [k for k in cls.KEYS if k not in raw]
+        if missing:
+            raise ConfigError(f"config.json has {present} but lacks {missing}: a DSpark drafter needs all of {cls.KEYS}")
+        dspark = cls(int(raw["dspark_block_size"]), int(raw["dspark_noise_token_id"]),
+                     tuple(int(i) for i in raw["dspark_target_layer_ids"]), int(raw["dspark_markov_rank"]))
+        ids = dspark.target_layer_ids
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
+            raise ConfigError(f"dspark_target_layer_ids={list(ids)}: expected distinct main layers in "
+                              f"[0, num_hidden_layers = {num_layers})")
+        if not 0 <= dspark.noise_token_id < vocab_size:
+            raise ConfigError(f"dspark_noise_token_id={dspark.noise_token_id} is outside the vocabulary ({vocab_size})")
+        if dspark.block_size < 1 or dspark.markov_rank < 1:
+            raise ConfigError(f"dspark_block_size={dspark.block_size} and dspark_markov_rank={dspark.markov_rank} "
+                              "must be positive")
+        return dspark
+
+
+@dataclass(frozen=True)
 class Dsv4Config:
     """The fields of an official DeepSeek-V4 ``config.json`` the model needs. Units: tokens, dims."""
 
@@ -95,9 +135,17 @@ class Dsv4Config:
     max_position_embeddings: int
     expert_dtype: str
     quantized: bool
+    dspark: DSparkConfig | None = None
+
+    @property
+    def draft_layers(self) -> int:
+        """Blocks after the main layers: the DSpark stages, or the MTP modules (num_nextn_predict_layers,
+        which DSpark checkpoints leave at 1)."""
+        return self.dspark.num_stages if self.dspark else self.num_nextn_predict_layers
 
     def layer_kind(self, layer: int) -> LayerKind:
-        """The kind of layer ``layer``; layer ``num_hidden_layers + k`` is MTP module k."""
+        """The kind of layer ``layer``; layers from ``num_hidden_layers`` on are the draft's (MTP modules or
+        DSpark stages)."""
         return _KIND_OF_RATIO[self.compress_ratios[layer]]
 
     @property
@@ -117,14 +165,23 @@ class Dsv4Config:
         num_layers = int(need("num_hidden_layers"))
         num_mtp = int(raw.get("num_nextn_predict_layers", 0))
         ratios = tuple(int(r) for r in need("compress_ratios"))
-        if len(ratios) < num_layers + num_mtp:
+        dspark = DSparkConfig.from_dict(raw, num_layers, int(need("vocab_size")))
+        bad = sorted({r for r in ratios if r not in _KIND_OF_RATIO})
+        if bad:
+            raise ConfigError(f"compress_ratios has unsupported values {bad}; supported: 0, 1, 4, 128")
+        if dspark is not None:
+            if len(ratios) != num_layers + dspark.num_stages:
+                raise ConfigError(
+                    f"compress_ratios has {len(ratios)} entries, expected num_hidden_layers + one per DSpark "
+                    f"stage (dspark_target_layer_ids names {dspark.num_stages}) = {num_layers + dspark.num_stages}")
+            if any(_KIND_OF_RATIO[r] != LayerKind.SWA for r in ratios[num_layers:]):
+                raise ConfigError(f"compress_ratios gives the DSpark stages {list(ratios[num_layers:])}; "
+                                  "they are sliding-window only (0)")
+        elif len(ratios) < num_layers + num_mtp:
             raise ConfigError(
                 f"compress_ratios has {len(ratios)} entries, expected "
                 f"num_hidden_layers + num_nextn_predict_layers = {num_layers + num_mtp}"
             )
-        bad = sorted({r for r in ratios if r not in _KIND_OF_RATIO})
-        if bad:
-            raise ConfigError(f"compress_ratios has unsupported values {bad}; supported: 0, 1, 4, 128")
         scaling = raw.get("rope_scaling") or None
         yarn = None
         if scaling is not None:
@@ -175,6 +232,7 @@ class Dsv4Config:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             expert_dtype=str(raw.get("expert_dtype", "fp4") if quant else "bf16"),
             quantized=quant is not None,
+            dspark=dspark,
         )
         if cfg.n_shared_experts != 1:
             raise ConfigError(f"n_shared_experts={cfg.n_shared_experts}; DeepSeek-V4 has exactly 1")

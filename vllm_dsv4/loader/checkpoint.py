@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -26,7 +28,7 @@ from typing import Iterator, Sequence
 import torch
 
 from csrc_triton.formats import FP8_BLOCK, MXFP4_BLOCK
-from vllm_dsv4.config import Dsv4Config, LayerKind
+from vllm_dsv4.config import DSparkConfig, Dsv4Config, LayerKind
 from vllm_dsv4.loader.kinds import kind_of, kind_problem
 
 MAX_REPORTED_PROBLEMS = 10
@@ -229,14 +231,85 @@ def mtp_tensors(cfg: Dsv4Config, k: int) -> dict[str, TensorSpec]:
     return t.specs
 
 
+def dspark_stage_tensors(cfg: Dsv4Config, s: int) -> dict[str, TensorSpec]:
+    """Tensors of DSpark stage ``s`` (``mtp.s.*``, dspark.md §2): a sliding-window, score-routed block;
+    stage 0 also fuses the target features (``main_proj`` over one hidden per target layer, ``main_norm``),
+    the last stage holds the heads (``norm``, ``hc_head_*``, the Markov factors and the confidence head)."""
+    dspark = cfg.dspark
+    if dspark is None or not 0 <= s < dspark.num_stages:
+        raise IndexError(f"DSpark stage {s} out of range for this config")
+    t = _Table(cfg)
+    p, d, r = f"mtp.{s}.", cfg.hidden_size, dspark.markov_rank
+    _block(t, p, cfg.layer_kind(cfg.num_hidden_layers + s), hash_routed=False)
+    if s == 0:
+        t.fp8_linear(f"{p}main_proj.weight", d, dspark.num_stages * d)
+        t.bf16(f"{p}main_norm.weight", d)
+    if s == dspark.num_stages - 1:
+        t.bf16(f"{p}norm.weight", d)
+        _hc_head(t, p)
+        t.bf16(f"{p}markov_head.markov_w1.weight", cfg.vocab_size, r)
+        t.bf16(f"{p}markov_head.markov_w2.weight", cfg.vocab_size, r)
+        t.bf16(f"{p}confidence_head.proj.weight", 1, d + r)
+    return t.specs
+
+
+def draft_tensors(cfg: Dsv4Config, k: int) -> dict[str, TensorSpec]:
+    """Tensors of draft block ``k`` (``mtp.k.*``): a DSpark stage or an MTP module, as the config says."""
+    return dspark_stage_tensors(cfg, k) if cfg.dspark else mtp_tensors(cfg, k)
+
+
 def expected_tensors(cfg: Dsv4Config) -> dict[str, TensorSpec]:
     """Every tensor of the official checkpoint, name -> (shape, dtype)."""
     specs = dict(top_level_tensors(cfg))
     for layer in range(cfg.num_hidden_layers):
         specs.update(layer_tensors(cfg, layer))
-    for k in range(cfg.num_nextn_predict_layers):
-        specs.update(mtp_tensors(cfg, k))
+    for k in range(cfg.draft_layers):
+        specs.update(draft_tensors(cfg, k))
     return specs
+
+
+# Tensors only an MTP module has (§7), and only DSpark stages have (dspark.md §2.3), under ``mtp.<i>.``.
+MTP_ONLY = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
+DSPARK_ONLY = ("main_proj.weight", "main_norm.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+_DRAFT_BLOCK = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+
+def draft_blocks(names: Iterable[str]) -> dict[int, set[str]]:
+    """The draft blocks an index holds: block number (``mtp.<i>.``) -> the names under it, prefix stripped."""
+    blocks: dict[int, set[str]] = {}
+    for name in names:
+        m = _DRAFT_BLOCK.match(name)
+        if m:
+            blocks.setdefault(int(m.group(1)), set()).add(m.group(2))
+    return blocks
+
+
+def holds_draft_tensors(names: Iterable[str] | None, suffixes: tuple[str, ...]) -> list[str]:
+    """The draft tensors of ``names`` that end in one of ``suffixes``, sorted."""
+    blocks = draft_blocks(names or ())
+    return sorted(f"mtp.{i}.{rest}" for i, rests in blocks.items() for rest in rests if rest in suffixes)
+
+
+def dspark_problems(dspark: DSparkConfig | None, names: Iterable[str]) -> list[str]:
+    """Where config.json and the index disagree about a DSpark drafter: DSpark keys over an MTP module or
+    the reverse, or an index whose stages (its distinct ``mtp.<i>.`` blocks) are not one per target layer."""
+    names = list(names)
+    mtp_only, dspark_only = holds_draft_tensors(names, MTP_ONLY), holds_draft_tensors(names, DSPARK_ONLY)
+    if dspark is None:
+        if dspark_only:
+            return [f"the index holds DSpark stage tensors ({', '.join(dspark_only[:3])}) but config.json has no "
+                    f"{DSparkConfig.KEYS[0]} / {DSparkConfig.KEYS[2]}"]
+        return []
+    problems = []
+    if mtp_only:
+        problems.append(f"config.json has the dspark_* keys of a DSpark drafter but the index holds MTP module "
+                        f"tensors ({', '.join(mtp_only[:3])})")
+    stages = sorted(draft_blocks(names))
+    if stages != list(range(dspark.num_stages)):
+        problems.append(f"the index holds draft stages {['mtp.%d' % i for i in stages]}, but "
+                        f"dspark_target_layer_ids names {dspark.num_stages} target layers "
+                        f"(one stage mtp.0 .. mtp.{dspark.num_stages - 1} each)")
+    return problems
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +430,7 @@ class Checkpoint:
 
 def _problems(cfg: Dsv4Config, found: dict[str, TensorSpec]) -> list[str]:
     want = expected_tensors(cfg)
-    problems: list[str] = []
+    problems: list[str] = dspark_problems(cfg.dspark, found)
     scale_owner = {}
     for name, spec in want.items():
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in want:
@@ -392,7 +465,8 @@ def _problems(cfg: Dsv4Config, found: dict[str, TensorSpec]) -> list[str]:
         if name.endswith(".scale") and not cfg.quantized:
             hint = "; config.json has no quantization_config"
         elif name.startswith(("layers.", "mtp.")):
-            hint = "; check num_hidden_layers / num_nextn_predict_layers / compress_ratios / num_hash_layers"
+            hint = ("; check num_hidden_layers / num_nextn_predict_layers / dspark_target_layer_ids / "
+                    "compress_ratios / num_hash_layers")
         problems.append(f"{name}: unexpected tensor {found[name]} (not in the official layout{hint})")
     return problems
 
