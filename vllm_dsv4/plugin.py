@@ -13,6 +13,7 @@ _registered = False
 MODEL_CLASSES = {
     "DeepseekV4ForCausalLM": "vllm_dsv4.model.decoder:DeepseekV4ForCausalLM",
     "DeepSeekV4MTPModel": "vllm_dsv4.model.mtp:DeepseekV4MTP",  # the name vLLM's "mtp" method asks for
+    "DSparkDraftModel": "vllm_dsv4.model.dspark:DeepseekV4DSpark",  # and its "dspark" method
 }
 
 
@@ -41,7 +42,7 @@ def register() -> None:
 
     if CONNECTOR[0] not in KVConnectorFactory._registry:  # registered once per process
         KVConnectorFactory.register_connector(*CONNECTOR)
-    patches.apply(warm_up_kernels)
+    patches.apply(warm_up_kernels, dspark_proposer)
     from vllm_dsv4 import serving
 
     serving.register()
@@ -65,3 +66,11 @@ def _jit_cache_under_vllm_root() -> None:
     from vllm_dsv4 import envs
 
     os.environ.setdefault(envs.TRITON_CACHE_DIR.name, os.path.join(envs.VLLM_CACHE_ROOT.read(), "triton"))
+
+
+def dspark_proposer() -> type:
+    """patches.py's patch 6 builds this proposer where vLLM's V1 runner drafts with DSpark (imported in the
+    worker, when first needed)."""
+    from vllm_dsv4.spec_decode.dspark import DSparkProposer
+
+    return DSparkProposer

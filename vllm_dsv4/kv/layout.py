@@ -2,7 +2,8 @@
 
 Components (the project's one vocabulary): ``swa`` raw-token window KV, ``c4``/``c128`` compressed
 KV, ``indexer`` compressed indexer keys, ``state`` the compressor's open-window rows (one per
-compressed cache: ``c4_state``, ``c128_state``, ``indexer_state``). See docs/ARCHITECTURE.md.
+compressed cache: ``c4_state``, ``c128_state``, ``indexer_state``), ``dspark`` a DSpark stage's window
+of context KV (from the target's features) and draft block keys. See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -83,12 +84,13 @@ class Component:
 
     def resume_start(self, position: int) -> int:
         """First token whose entry a request resumed at ``position`` (its first token still to compute)
-        reads again: 0 for compressed history; the attention window ``[p - window + 1, p]`` for ``swa``;
+        reads again: 0 for compressed history; the attention window ``[p - window + 1, p]`` for ``swa`` and
+        ``dspark``;
         for a compressor state the open pooling window, and for C4's overlapping windows the previous
         one too (a window closing at p reads rows ``p - 2m + 1 .. p``)."""
         if self.window_tokens is None:
             return 0
-        if self.name == "swa":
+        if self.pool_ratio is None:
             return max(0, position - self.window_tokens + 1)
         ratio = self.pool_ratio
         return max(0, position // ratio * ratio - (self.window_tokens - ratio))
@@ -134,6 +136,14 @@ def layer_components(
     return comps
 
 
+def dspark_component(cfg: Dsv4Config, kv_dtype: torch.dtype, fp8: bool = False) -> Component:
+    """A DSpark stage's cache: entries like ``swa``'s, by token position. Its window is one token longer: the
+    block's first query, at the anchor p, reads the ``sliding_window`` positions before p (dspark.md §4.2)."""
+    main_fp8 = Fp8Entry(cfg.head_dim, cfg.qk_rope_head_dim) if fp8 else None
+    return Component("dspark", tokens_per_entry=1, block_tokens=SWA_BLOCK_TOKENS, window_tokens=cfg.sliding_window + 1,
+                     **_entry(cfg.head_dim, kv_dtype, main_fp8))
+
+
 def cache_layer_name(prefix: str, component: str) -> str:
     """vLLM layer name of ``component``'s cache in the attention module ``prefix``."""
     return f"{prefix}.{component}_cache"
@@ -142,6 +152,8 @@ def cache_layer_name(prefix: str, component: str) -> str:
 def component_of_layer(cfg: Dsv4Config, layer_name: str, block_tokens: int) -> Component:
     """The component a cache layer named by :func:`cache_layer_name` holds (dtype-independent fields)."""
     name = layer_name.rsplit(".", 1)[-1].removesuffix("_cache")
+    if name == "dspark":
+        return dspark_component(cfg, torch.float32)
     kind = LayerKind.SWA
     if name.startswith("c128"):
         kind = LayerKind.C128
@@ -167,6 +179,8 @@ def page_size_table(cfg: Dsv4Config, kv_dtype: torch.dtype, compressed_block_tok
         for name, comp in layer_components(cfg, kind, kv_dtype, compressed_block_tokens, fp8).items():
             prev = rows.get(name, (comp, 0))[1]
             rows[name] = (comp, prev + count[kind])
+    if cfg.dspark is not None:
+        rows["dspark"] = (dspark_component(cfg, kv_dtype, fp8), cfg.dspark.num_stages)
     for name, (c, layers) in rows.items():
         lines.append(
             f"| `{name}` | {layers} | {c.tokens_per_entry} | {c.block_tokens} | {c.entries_per_block} "

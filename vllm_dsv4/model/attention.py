@@ -56,6 +56,9 @@ def grouped_out_proj(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
 class Attention(nn.Module):
     """Returns this rank's partial output: its heads and output groups (model/parallel.py)."""
 
+    WINDOW = "swa"  # the component whose entries are the raw-token window (cache_components' key)
+    cache_components = staticmethod(layer_components)
+
     def __init__(self, cfg: Dsv4Config, kind: LayerKind, prefix: str, vllm_config, kv_dtype: torch.dtype,
                  shard: Shard):
         super().__init__()
@@ -78,11 +81,11 @@ class Attention(nn.Module):
         self.register_buffer("window_offsets", torch.arange(1 - self.window, 1), persistent=False)
 
         cache_config = vllm_config.cache_config
-        components = layer_components(cfg, kind, kv_dtype, cache_config.block_size,
-                                      fp8_entries(cache_config.cache_dtype))
+        components = self.cache_components(cfg, kind, kv_dtype, cache_config.block_size,
+                                           fp8_entries(cache_config.cache_dtype))
         caches = {name: CacheLayer(comp, cache_layer_name(prefix, name), vllm_config)
                   for name, comp in components.items()}
-        self.swa_cache = caches["swa"]
+        self.swa_cache = caches[self.WINDOW]
         self.main_cache = None  # swa: the window is its only cache
         if kind is not LayerKind.SWA:
             self.main_cache = caches[kind.value]

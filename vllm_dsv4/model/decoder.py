@@ -24,14 +24,14 @@ class Block(nn.Module):
     the model's, which vLLM knows its cache layers by."""
 
     def __init__(self, cfg: Dsv4Config, layer: int, name: str, prefix: str, vllm_config, kv_dtype: torch.dtype,
-                 shard: Shard):
+                 shard: Shard, attention: type[Attention] = Attention):
         super().__init__()
         self.shard = shard
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(cfg), HyperConnection(cfg)
         attn_prefix = f"{prefix}.{name}.attn" if prefix else f"{name}.attn"
-        self.attn = Attention(cfg, cfg.layer_kind(layer), attn_prefix, vllm_config, kv_dtype, shard)
+        self.attn = attention(cfg, cfg.layer_kind(layer), attn_prefix, vllm_config, kv_dtype, shard)
         self.ffn = MoE(cfg, layer < cfg.num_hash_layers, shard)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,12 +65,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size)
-        # The MTP draft's input (model/mtp.py): each step's streams before the hyper-head, in a buffer that
-        # outlives the step (and a CUDA graph's replay), read through get_mtp_target_hidden_states.
+        # The draft's input, in a buffer that outlives the step (and a CUDA graph's replay), read through
+        # get_mtp_target_hidden_states: MTP's (model/mtp.py) are the streams after the last block [T, n*D];
+        # DSpark's (model/dspark.py) the mean of the streams after each target layer, concatenated [T, K*D].
         spec = vllm_config.speculative_config
-        rows = vllm_config.scheduler_config.max_num_batched_tokens if spec is not None and spec.use_eagle() else 0
-        self.register_buffer("mtp_inputs", torch.empty(rows, cfg.hc_mult * cfg.hidden_size, dtype=dtype),
-                             persistent=False)
+        method = spec.method if spec is not None else None
+        self.feature_layers = cfg.dspark.target_layer_ids if method == "dspark" and cfg.dspark else ()
+        rows = vllm_config.scheduler_config.max_num_batched_tokens if method in ("mtp", "dspark") else 0
+        width = len(self.feature_layers) * cfg.hidden_size if self.feature_layers else cfg.hc_mult * cfg.hidden_size
+        self.register_buffer("draft_inputs", torch.empty(rows, width, dtype=dtype), persistent=False)
 
     # What vLLM's MTP proposer shares with the draft: ``target.model.embed_tokens`` and ``target.lm_head``.
     @property
@@ -82,7 +85,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.head
 
     def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
-        return self.mtp_inputs if len(self.mtp_inputs) else None
+        return self.draft_inputs if len(self.draft_inputs) else None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
@@ -94,10 +97,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """input_ids [T], positions [T] -> final normed hidden [T, D]."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         streams = h.unsqueeze(1).repeat(1, self.hc_mult, 1)  # [T, n, D]
-        for block in self.layers:
+        features = {}
+        for i, block in enumerate(self.layers):
             streams = block(streams, positions, input_ids)
-        if len(self.mtp_inputs):
-            self.mtp_inputs[: len(streams)].copy_(streams.flatten(1))
+            if i in self.feature_layers:
+                features[i] = streams.mean(dim=1)
+        if features:
+            self.draft_inputs[: len(streams)].copy_(torch.cat([features[i] for i in self.feature_layers], dim=-1))
+        elif len(self.draft_inputs):
+            self.draft_inputs[: len(streams)].copy_(streams.flatten(1))
         return self.hc_head(streams, self.norm)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

