@@ -77,6 +77,20 @@ def tiny_ckpt_unquantized(tmp_path_factory, make_checkpoint_module) -> Path:
     return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_u"), "tiny", quantized=False, seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_0731_ckpt(tmp_path_factory, make_checkpoint_module) -> Path:
+    """tiny-0731 preset (TINY with V4-Flash-0731's DSpark drafter), FP8 + MXFP4, seed 0. Read-only. (No
+    "dspark" in the path: vLLM picks the dspark method for any model path containing it.)"""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_0731_q"), "tiny-0731", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_0731_ckpt_unquantized(tmp_path_factory, make_checkpoint_module) -> Path:
+    """tiny-0731, the same function stored in bf16, seed 0. Read-only."""
+    return make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_0731_u"), "tiny-0731",
+                                                  quantized=False, seed=0)
+
+
 @pytest.fixture
 def cpu_ops(monkeypatch):
     """Model modules on CPU tensors on a CUDA machine: ``vllm_dsv4.ops`` as it is with

@@ -5,10 +5,12 @@ batches of prompts (token ids); each batch is one ``generate`` call, optionally 
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
 (integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
-scored; ``warm_up_kernels`` takes warmup.py's steps before the first batch (counting their
-attention calls); ``count_kernel_compiles`` lists our Triton kernels' compiles before ready and in
-each batch. Every engine gets its own process because vLLM on CPU spawns workers and keeps
-process-global state.
+scored, ``record_dspark`` what a DSpark drafter computed (dspark_record.py); ``warm_up_kernels``
+takes warmup.py's steps before the first batch (counting their attention calls);
+``count_kernel_compiles`` lists our Triton kernels' compiles before ready and in each batch;
+``force_drafts`` (sequences) makes the drafter propose their tokens, wrong at each batch's
+``wrong_at`` (forced_drafts.py).
+Every engine gets its own process because vLLM on CPU spawns workers and keeps process-global state.
 """
 
 import json
@@ -190,8 +192,8 @@ def count_kernel_compiles() -> list:
 
 def spec_decode_counters(llm) -> dict:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens), by metric name."""
-    return {m.name: m.value for m in llm.get_metrics()
-            if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+    return {m.name: m.value if hasattr(m, "value") else list(m.values) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num") and (hasattr(m, "value") or hasattr(m, "values"))}
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -207,18 +209,28 @@ def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     preemptions, dummy_batches = count_preemptions(), count_dummy_batches()
     draft_rows = record_draft_logprobs() if job.get("record_draft_logprobs") else []
+    if job.get("record_dspark"):
+        from dspark_record import record_dspark  # beside this script
+
+        draft_rows = record_dspark()
     compiles = count_kernel_compiles() if job.get("count_kernel_compiles") else []
     engine_args = {"enforce_eager": True, **job["engine"]}  # CUDA graphs only where a job asks for them
+    if "force_drafts" in job:
+        engine_args["worker_extension_cls"] = "forced_drafts.ForcedDrafts"  # beside this script
     llm = LLM(model=job["model"], skip_tokenizer_init=True, seed=0, max_logprobs=-1, disable_log_stats=False,
               **engine_args)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     poisoned = sum(llm.collective_rpc(poison_kv_caches)) if job.get("poison_kv_cache") else 0
     filling = all(llm.collective_rpc(fill_uninitialized_memory)) if job.get("fill_uninitialized_memory") else False
     warm_up_calls = llm.collective_rpc(warm_up) if job.get("warm_up_kernels") else []
+
     compiled = {"before_ready": list(compiles), "batches": []}  # kernel names, by when they compiled
     batches = []
+    spec_decode = []  # vLLM's speculative-decoding counters after each batch
     for batch in job["batches"]:
         compiled_before = len(compiles)
+        if "force_drafts" in job:  # the batch's draft at "wrong_at" wrong (None: every draft right)
+            llm.collective_rpc("force_drafts", args=(job["force_drafts"], batch.get("wrong_at")))
         # logprobs: True for the whole vocabulary, k for the top k (stored sparse), False for none
         want_logprobs = batch.get("logprobs", False)
         want_prompt_logprobs = batch.get("prompt_logprobs", want_logprobs)  # (vLLM skips prefix-cache hits for them)
@@ -254,10 +266,12 @@ def main(job_path: str, out_path: str) -> None:
                 r["logprobs"] = logprob_rows(o.outputs[0].logprobs, vocab, sparse=top_k is not None)
             results.append(r)
         batches.append(results)
+        if "speculative_config" in job["engine"]:
+            spec_decode.append(spec_decode_counters(llm))
     torch.save({"batches": batches, "preemptions": len(preemptions), "dummy_batches": len(dummy_batches),
                 "poisoned_caches": poisoned, "filled_uninitialized_memory": filling, "draft_rows": draft_rows,
                 "warm_up_calls": warm_up_calls, "kernel_compiles": compiled,
-                "spec_decode": spec_decode_counters(llm) if "speculative_config" in job["engine"] else {}}, out_path)
+                "spec_decode": spec_decode[-1] if spec_decode else {}, "spec_decode_batches": spec_decode}, out_path)
 
 
 if __name__ == "__main__":

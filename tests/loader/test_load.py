@@ -29,7 +29,7 @@ def empty_params(cfg: Dsv4Config, ckpt: Checkpoint, mtp: bool = False) -> dict[s
     params = {name: torch.nn.Parameter(torch.full(shape, float("nan")), requires_grad=False)
               for name, shape in shapes.items()}
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    blocks = ([f"mtp.{k}" for k in range(cfg.num_nextn_predict_layers)] if mtp else
+    blocks = ([f"mtp.{k}" for k in range(cfg.draft_layers)] if mtp else
               [f"layers.{layer}" for layer in range(cfg.num_hidden_layers)])
     for block in blocks:
         params[f"{block}.ffn.experts.w13"] = torch.nn.Parameter(torch.full((e, 2 * i, d), float("nan")))

