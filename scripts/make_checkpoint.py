@@ -261,11 +261,13 @@ def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
         raw["dspark_target_layer_ids"] = targets
 
 
-def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None) -> dict[str, Any]:
-    """The config.json dict (official key style) of a preset."""
+def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None,
+                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json dict (official key style) of a preset, with ``overrides`` (tests: e.g. a 32-token
+    vocabulary, where sampled distributions can be counted)."""
     if preset not in _PRESET_OVERRIDES:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
-    raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset]}))  # a deep copy: callers may edit it
+    raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset], **(overrides or {})}))  # a deep copy
     if preset.startswith("flash") and num_layers is None:
         num_layers = 6
     if num_layers is not None and num_layers != raw["num_hidden_layers"]:
@@ -496,6 +498,11 @@ def build_tokenizer(vocab_size: int, model_max_length: int):
     return tok
 
 
+# A byte-level BPE needs its 256 bytes and the special tokens; a smaller vocabulary gets no tokenizer (run it
+# with skip_tokenizer_init)
+MIN_TOKENIZER_VOCAB = 512
+
+
 def write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
     tok = build_tokenizer(min(vocab_size, 1024), model_max_length)
     tok.save(str(out / "tokenizer.json"))
@@ -527,16 +534,18 @@ def make_checkpoint(
     num_layers: int | None = None,
     log: Callable[[str], None] | None = None,
     device: str = "cpu",
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Write config.json, shards, index, tokenizer and generation_config to ``out_dir``."""
+    """Write config.json, shards, index, tokenizer and generation_config to ``out_dir`` (``overrides``: config
+    keys over the preset's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         stale.unlink()
 
-    raw = make_config(preset, quantized=quantized, num_layers=num_layers)
-    raw_q = make_config(preset, quantized=True, num_layers=num_layers)
-    raw_u = make_config(preset, quantized=False, num_layers=num_layers)
+    raw = make_config(preset, quantized=quantized, num_layers=num_layers, overrides=overrides)
+    raw_q = make_config(preset, quantized=True, num_layers=num_layers, overrides=overrides)
+    raw_u = make_config(preset, quantized=False, num_layers=num_layers, overrides=overrides)
     cfg = Dsv4Config.from_dict(raw)
     cfg_q, cfg_u = Dsv4Config.from_dict(raw_q), Dsv4Config.from_dict(raw_u)
 
@@ -565,7 +574,8 @@ def make_checkpoint(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0},
                    indent=2) + "\n"
     )
-    write_tokenizer(out, cfg.vocab_size, cfg.max_position_embeddings)
+    if cfg.vocab_size >= MIN_TOKENIZER_VOCAB:
+        write_tokenizer(out, cfg.vocab_size, cfg.max_position_embeddings)
 
     # Self-check against the single table (reads headers only).
     ckpt_table.validate(Dsv4Config.from_pretrained(out), ckpt_table.Checkpoint(out))
