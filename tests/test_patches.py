@@ -61,7 +61,7 @@ def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes
     hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
     compilation = CompilationConfig() if asked is None else CompilationConfig(cudagraph_mode=asked)
     cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16),
-                          compilation_config=compilation)
+                          compilation_config=compilation, speculative_config=None)
     hook.verify_and_update_config(cfg)
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry
@@ -113,3 +113,50 @@ def test_a_patch_waits_for_its_module_to_be_imported(tmp_path, monkeypatch):
 
     assert seen == [7]
     del sys.modules["dsv4_after_import_probe"]
+
+
+def engine_config(model, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    return EngineArgs(model=str(model), skip_tokenizer_init=True, max_model_len=512,
+                      speculative_config=spec).create_engine_config()
+
+
+def test_dspark_stays_in_the_v1_runner(tiny_0731_ckpt, monkeypatch):
+    """Patches 5 and 7: vLLM 0.26 forces Model Runner V2 for DSpark and 0.32 refuses it in V1; ours runs in
+    V1 (where patch 6 gives it our proposer), N defaulting to the block size (where the draft model is
+    named: vLLM's rule); forcing V2 is named."""
+    config = engine_config(tiny_0731_ckpt, {"method": "dspark", "model": str(tiny_0731_ckpt)})
+    assert config.speculative_config.num_speculative_tokens == 5  # dspark_block_size
+    assert config.use_v2_model_runner is False
+    assert "dspark speculative decoding" not in config._get_v1_model_runner_unsupported_features()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="unset VLLM_USE_V2_MODEL_RUNNER"):
+        engine_config(tiny_0731_ckpt, {"method": "dspark", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("checkpoint, spec, message", [
+    ("tiny_0731_ckpt", {"method": "mtp", "num_speculative_tokens": 1},
+     "method 'mtp' needs an MTP module.*holds a DSpark drafter.*use method 'dspark'"),
+    ("tiny_ckpt", {"method": "dspark", "num_speculative_tokens": 3},
+     "method 'dspark' needs a DSpark drafter.*holds an MTP module.*use method 'mtp'"),
+    ("tiny_0731_ckpt", {"method": "dspark", "num_speculative_tokens": 8},
+     "DSpark drafts 1 to 7 tokens per step; num_speculative_tokens is 8"),
+])
+def test_speculative_config_checks_name_the_problem(checkpoint, spec, message, request):
+    """Patch 7, at engine configuration: each wrong method for the checkpoint's draft, a draft length out
+    of range."""
+    with pytest.raises(ValueError, match=message):
+        engine_config(request.getfixturevalue(checkpoint), spec)
+
+
+def test_adaptive_verification_is_refused(tiny_0731_ckpt):
+    """Patch 7: vLLM verifies adaptively in Model Runner V2 only (0.26 lacks the option)."""
+    from vllm.config import SpeculativeConfig
+
+    if "enable_adaptive_verification" not in SpeculativeConfig.__dataclass_fields__:
+        pytest.skip("this vLLM has no enable_adaptive_verification")
+    with pytest.raises(ValueError, match="enable_adaptive_verification is not supported by vllm-dsv4"):
+        engine_config(tiny_0731_ckpt, {"method": "dspark", "num_speculative_tokens": 3,
+                                       "enable_adaptive_verification": True})

@@ -283,9 +283,10 @@ def check_speculative_config(vllm_config) -> None:
     the method, and DSpark's options are ones the plugin serves."""
     from vllm_dsv4.loader.kinds import check_draft_method, tensor_names
 
-    spec, model = vllm_config.speculative_config, vllm_config.model_config
+    spec = vllm_config.speculative_config
     if spec is None or spec.method not in ("mtp", "dspark"):
         return
+    model = vllm_config.model_config
     check_draft_method(spec.method, model.hf_config.to_dict(), tensor_names(model.model))
     if spec.method != "dspark":
         return
