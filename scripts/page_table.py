@@ -13,7 +13,8 @@ from vllm_dsv4.kv.layout import page_size_table  # noqa: E402
 
 # (title, preset, KV dtype, layers, FP8 entries): without --kv-cache-dtype fp8, KV is in the model dtype.
 TABLES = (
-    ("V4-Flash (43 layers), FP8 KV (`--kv-cache-dtype fp8`)", "flash", torch.bfloat16, 43, True),
+    ("V4-Flash-0731 (43 layers, 3 DSpark stages), FP8 KV (`--kv-cache-dtype fp8`)", "flash-0731", torch.bfloat16,
+     43, True),
     ("V4-Flash (43 layers), bf16 KV", "flash", torch.bfloat16, 43, False),
     ("tiny preset, fp32 KV (the CI tests)", "tiny", torch.float32, None, False),
 )

@@ -52,3 +52,19 @@ def test_architecture_doc_embeds_current_table():
     assert table in doc, "docs/ARCHITECTURE.md page table is stale: rerun scripts/page_table.py"
     # 21 C4 layers x (1024 + 256) / 4 + 20 C128 layers x 1024 / 128 (anchors.md's BF16 figure)
     assert "6,880.0" in table
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_dspark_stage_cache_is_a_window_one_token_longer(fp8):
+    """A DSpark stage's cache holds swa's entries by position; its block's first query, at the anchor p,
+    reads the sliding_window positions before p, so vLLM keeps (and a resume at p reloads) one more."""
+    from vllm_dsv4.kv.layout import component_of_layer, dspark_component
+
+    cfg = Dsv4Config.from_dict(load_script("make_checkpoint").make_config("flash-0731", num_layers=43))
+    comp = dspark_component(cfg, torch.bfloat16, fp8)
+    swa = layer_components(cfg, LayerKind.SWA, torch.bfloat16, 256, fp8)["swa"]
+    assert (comp.entry_bytes, comp.block_tokens, comp.window_tokens) == (swa.entry_bytes, swa.block_tokens, 129)
+    assert component_spec(comp).page_size_bytes == comp.page_bytes == swa.page_bytes
+    assert component_spec(comp).sliding_window == 129
+    assert [comp.resume_start(p) for p in (0, 128, 129, 1000)] == [0, 0, 1, 872]
+    assert component_of_layer(cfg, "mtp.2.attn.dspark_cache", 256).name == "dspark"
