@@ -19,6 +19,9 @@
 #                                      # allocations (three engine runs): tell run-to-run variation and
 #                                      # reads of unwritten memory from replay errors when `graphs` fails
 #   scripts/gpu_check.sh mtp           # MTP speculative decoding (k = 1, 2) vs transformers: draft log-probs, greedy outputs
+#   scripts/gpu_check.sh dspark        # DSpark: the drafter's intermediates vs the spec reference, greedy outputs (N = 1..7,
+#                                      # prefix cache, chunks, connector, TP = 2 where 2 GPUs), CUDA-graph drafts vs eager,
+#                                      # forced drafts (DSpark and MTP), probabilistic drafting's distribution
 #   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
 #                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
@@ -128,6 +131,10 @@ case "${1:-unit}" in
   mtp)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_mtp.py \
       > "$LOG_DIR/mtp.log" 2>&1; summary "$LOG_DIR/mtp.log" ;;
+  dspark)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_dspark.py \
+      tests/e2e/test_forced_drafts.py tests/e2e/test_dspark_sampling.py > "$LOG_DIR/dspark.log" 2>&1
+    summary "$LOG_DIR/dspark.log" ;;
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;

@@ -74,3 +74,27 @@ def _tap(method, record):
         record(out)
         return out
     return tapped
+
+
+def record_drafts() -> list:
+    """Installs a recorder of what ``propose`` returns (also when a CUDA graph replays the block step):
+    one (prompt, anchor position P, drafts) per draft step and request."""
+    from vllm_dsv4.spec_decode.dspark import DSparkProposer
+
+    rows, propose = [], DSparkProposer.propose
+
+    def recorded(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                 next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs):
+        cm = common_attn_metadata
+        _, anchor_pos = self._step_layout(cm.query_start_loc[: cm.num_reqs + 1].long(),
+                                          kwargs.get("num_rejected_tokens_gpu"), target_positions[: cm.num_actual_tokens],
+                                          cm.num_actual_tokens)
+        drafts = propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                         next_token_ids, token_indices_to_sample, common_attn_metadata, *args, **kwargs)
+        for r, (P, row) in enumerate(zip(anchor_pos.tolist(), drafts.tolist())):
+            prompt = self.runner.requests[self.runner.input_batch.req_ids[r]].prompt_token_ids
+            rows.append((tuple(prompt), P, row))
+        return drafts
+
+    DSparkProposer.propose = recorded
+    return rows

@@ -134,3 +134,19 @@ def test_every_intermediate_matches_the_reference(drafted, reference, greedy):
         assert all(d == int(ref["logits"][k].argmax()) for k, d in enumerate(row["drafts"]) if clear[k])
         steps += 1
     assert steps >= len(PROMPTS) * NEW_TOKENS // 2, steps
+
+
+def test_cuda_graph_drafts_equal_eager_drafts(tmp_path, tiny_0731_ckpt_unquantized, greedy):
+    """On a GPU: the block step replayed from its CUDA graphs (a batch padded to a captured size) drafts
+    what the eager step drafts, step by step, and the outputs stay greedy."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    graphs = dict(enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                           "max_cudagraph_capture_size": 48})
+    runs = {name: run_vllm(tmp_path, tiny_0731_ckpt_unquantized, dict(ENGINE, speculative_config=spec, **settings),
+                           [{"prompts": PROMPTS}], name, max_tokens=NEW_TOKENS, record_drafts=True)
+            for name, settings in (("eager", {}), ("graphs", graphs))}
+    assert [r["tokens"] for r in runs["graphs"]["batches"][0]] == greedy
+    eager, replayed = (sorted(map(str, runs[name]["draft_rows"])) for name in ("eager", "graphs"))
+    assert replayed == eager and len(eager) >= len(PROMPTS) * NEW_TOKENS // 2

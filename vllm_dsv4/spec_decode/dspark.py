@@ -61,10 +61,11 @@ class DSparkProposer(EagleProposer):
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
                   slot_mappings=None) -> None:
         """vLLM's profile and DP-padding runs: the stages over ``num_tokens`` tokens with no metadata
-        (attention reads and writes nothing). Where vLLM captures its CUDA graphs, ours are captured too."""
+        (attention reads and writes nothing). Where vLLM captures its CUDA graphs, ours are captured too
+        (vLLM asks its EAGLE drafters for piecewise graphs only, ``use_cudagraphs``: not read)."""
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
-        if is_graph_capturing and use_cudagraphs and not self.graphs:
+        if is_graph_capturing and not self.graphs and not self.speculative_config.enforce_eager:
             self._capture_graphs()
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
