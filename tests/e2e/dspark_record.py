@@ -41,8 +41,8 @@ def record_dspark() -> list:
             for name in ("combine", "compute_logits", "markov_bias", "markov_embed"):
                 delattr(model, name)
         N, window = self.block, model.cfg.sliding_window
-        h = got["h"].view(R, N, -1)
-        bias, embed = torch.stack(got["bias"], 1), torch.stack(got["embed"], 1)  # [R, N, V], [R, N, r]
+        h = got["h"][: R * N].view(R, N, -1)  # (a padded block step has more rows: see pad_draft_batches)
+        bias, embed = torch.stack(got["bias"], 1)[:R], torch.stack(got["embed"], 1)[:R]  # [R, N, V], [R, N, r]
         for r in range(R):
             req_id = self.runner.input_batch.req_ids[r]
             P = int(anchor_pos[r])
@@ -57,8 +57,8 @@ def record_dspark() -> list:
                 "prompt": list(self.runner.requests[req_id].prompt_token_ids), "P": P, "anchor": int(next_token_ids[r]),
                 "positions": target_positions[mine].tolist(), "features": target_hidden_states[mine].clone(),
                 "main_x": got["main_x"][mine], "context_kv": context,
-                "stages": [s.view(R, N, *s.shape[1:])[r] for s in got["stages"]], "head_hidden": h[r],
-                "base_logits": got["base"].view(R, N, -1)[r], "logits": got["base"].view(R, N, -1)[r] + bias[r],
+                "stages": [s[: R * N].view(R, N, *s.shape[1:])[r] for s in got["stages"]], "head_hidden": h[r],
+                "base_logits": got["base"][:R][r], "logits": got["base"][:R][r] + bias[r],
                 "drafts": drafts[r].tolist(), "confidence": model.confidence(h[r], embed[r]),
             })
         return drafts
@@ -98,3 +98,11 @@ def record_drafts() -> list:
 
     DSparkProposer.propose = recorded
     return rows
+
+
+def pad_draft_batches() -> None:
+    """Every block step padded to the batch limit, as a CUDA graph's is (padding rows: request -1), so the
+    CPU runs the rows a GPU replays."""
+    from vllm_dsv4.spec_decode.dspark import DSparkProposer
+
+    DSparkProposer._graph_rows = lambda self, R: self.block_inputs.drafts.shape[0]

@@ -7,7 +7,7 @@ extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cach
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
 (integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
 scored, ``record_dspark`` what a DSpark drafter computed (dspark_record.py; ``record_drafts``: its
-drafts only); ``warm_up_kernels``
+drafts only; ``pad_draft_batches``: block steps padded as CUDA graphs pad them); ``warm_up_kernels``
 takes warmup.py's steps before the first batch (counting their attention calls);
 ``count_kernel_compiles`` lists our Triton kernels' compiles before ready and in each batch;
 ``force_drafts`` (sequences) makes the drafter propose their tokens, wrong at each batch's
@@ -219,6 +219,10 @@ def main(job_path: str, out_path: str) -> None:
         from dspark_record import record_drafts
 
         draft_rows = record_drafts()
+    if job.get("pad_draft_batches"):
+        from dspark_record import pad_draft_batches
+
+        pad_draft_batches()
     compiles = count_kernel_compiles() if job.get("count_kernel_compiles") else []
     engine_args = {"enforce_eager": True, **job["engine"]}  # CUDA graphs only where a job asks for them
     if "force_drafts" in job:

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.e2e
 PROMPTS = make_prompts((7, 40, 129, 300), seed=5)
 NEW_TOKENS = 24
 
-# (draft tokens per step, engine settings): N = 5 (the block size) recording every intermediate; 1 with
+# (draft tokens per step, engine settings): N = 5 (the block size) recording every intermediate, its block
+# steps padded to the batch limit as a CUDA graph's are (padding rows must touch no cache); 1 with
 # prompts prefilled in 61-token chunks; 3 with a second batch of the same prompts served from the prefix
 # cache, and under tensor parallelism; 7 resuming each prompt but its last token from a prefill engine's
 # DSV4Connector store
-RUNS = {"n5-recorded": (5, dict(record_dspark=True)),
+RUNS = {"n5-recorded": (5, dict(record_dspark=True, pad_draft_batches=True)),
         "n1-chunked": (1, dict(max_num_batched_tokens=61, enable_chunked_prefill=True)),
         "n3-prefix-cache": (3, dict(enable_prefix_caching=True)),
         "n3-tp2": (3, dict(tensor_parallel_size=2)),
@@ -66,7 +67,7 @@ def tp_env(settings: dict) -> dict:
 def drafted(request, tmp_path_factory, tiny_0731_ckpt_unquantized):
     n, settings = RUNS[request.param]
     settings, work = dict(settings), tmp_path_factory.mktemp(request.param)
-    options = {"record_dspark": settings.pop("record_dspark", False)}
+    options = {name: settings.pop(name, False) for name in ("record_dspark", "pad_draft_batches")}
     spec = {"method": "dspark", "num_speculative_tokens": n}
     if settings.pop("from_store", False):
         producer = dict(ENGINE, speculative_config=spec, kv_transfer_config=connector(work / "store", "kv_producer"))
