@@ -2,7 +2,7 @@
 
 Usage: python run_vllm.py JOB.json OUT.pt. The job names the checkpoint, the engine arguments and
 batches of prompts (token ids); each batch is one ``generate`` call (greedy, or at the batch's
-``temperature`` with request i seeded ``seed + i``), optionally on its prompts
+``temperature``), optionally on its prompts
 extended by an earlier batch's outputs (``extend_with_batch``); ``poison_kv_cache`` fills the caches
 with garbage before the first batch, ``fill_uninitialized_memory`` every later allocation with NaN
 (integers with their largest value); ``record_draft_logprobs`` keeps what an MTP draft model
@@ -263,10 +263,6 @@ def main(job_path: str, out_path: str) -> None:
         if batch.get("preempt_at_steps"):
             outputs = generate_with_preemptions(llm, prompts, params, set(batch["preempt_at_steps"]))
         else:
-            if "seed" in batch:  # sampling: request i seeded with seed + i
-                params = [params.clone() for _ in prompts]
-                for i, p in enumerate(params):
-                    p.seed = batch["seed"] + i
             outputs = llm.generate(prompts, params, use_tqdm=False)
         compiled["batches"].append(compiles[compiled_before:])
         results = []

@@ -20,7 +20,7 @@ from tests.oracle.dspark_ref import HFDSparkReference
 
 pytestmark = pytest.mark.e2e
 
-PROMPTS = make_prompts((7, 40, 129, 300), seed=5)
+PROMPTS = make_prompts((7, 40, 129, 600), seed=5)
 NEW_TOKENS = 24
 
 # (draft tokens per step, engine settings): N = 5 (the block size) recording every intermediate, its block
@@ -84,7 +84,8 @@ def test_drafting_keeps_greedy_outputs(drafted, greedy):
     n, run = drafted
     for batch in run["batches"]:
         assert [r["tokens"] for r in batch] == greedy
-    if len(run["batches"]) > 1:  # the 300-token prompt's first 256-token block came from the cache
+    if len(run["batches"]) > 1:  # the 600-token prompt's first 256-token block came from the cache (the
+        # second is the last full one, which vLLM recomputes for drafters)
         assert run["batches"][1][3]["num_cached_tokens"] > 0, [r["num_cached_tokens"] for r in run["batches"][1]]
     if "kv_transfer_config" in run["engine"]:
         assert [r["num_cached_tokens"] for r in run["batches"][0]] == [len(p) - 1 for p in PROMPTS]

@@ -3,7 +3,7 @@ distribution: drafts sampled from the Markov-corrected distributions, verified b
 those distributions, give tokens distributed as the target alone would sample them.
 
 On tiny-0731 with a 32-token vocabulary (where drafts are accepted about half the time, so both the accept
-and the resample path count), thousands of seeded requests of one prompt at temperature 1: the counts of
+and the resample path count), thousands of requests of one prompt at temperature 1 (a seeded engine): the counts of
 the first three sampled tokens (the first from the prefill; the second and third through verification of
 one draft block) against the exact distributions from transformers (chi-square). The first token is the
 control: no draft touches it.
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 VOCAB = 32
 PROMPT = make_prompts((20,), seed=11, vocab=VOCAB)[0]  # crosses the 16-token window
 SAMPLES = 4000
-P_VALUE = 1e-3  # per test; the draws are seeded, so a pass is reproducible
+P_VALUE = 1e-3  # per test; the engine's draws are seeded, so a pass is reproducible
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def exact(small_vocab_ckpt) -> list[torch.Tensor]:
 def sampled(tmp_path_factory, small_vocab_ckpt):
     engine = dict(ENGINE, max_num_seqs=256, speculative_config={
         "method": "dspark", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"})
-    batches = [{"prompts": [PROMPT] * SAMPLES, "temperature": 1.0, "seed": 0}]
+    batches = [{"prompts": [PROMPT] * SAMPLES, "temperature": 1.0}]  # the engine's seed: 0
     run = run_vllm(tmp_path_factory.mktemp("sampled"), small_vocab_ckpt, engine, batches, "sampled", max_tokens=3)
     return torch.tensor([r["tokens"] for r in run["batches"][0]]), run["spec_decode"]
 
