@@ -92,7 +92,8 @@ def test_sparse_attn_large_logits():
 # blocks with swa's E = 64 (windows that start past the first key blocks: -1 before position 0), a
 # C128-like slot list (E = 2, arange(K) past a few visible entries: most key blocks empty), two head
 # blocks, d = 256 (fp32 takes 16 x 16 tiles there), V4 dims on 4 rows (C128 decode: K = 8192 =
-# max_model_len 1M / 128); V4-Flash C4 and C128 decode, window-only, V4-Pro heads. E = (window, main)
+# max_model_len 1M / 128); a DSpark block step at V4-Flash dims (128 context + 5 block slots);
+# V4-Flash C4 and C128 decode, window-only, V4-Pro heads. E = (window, main)
 # entries per block, entries = (window, main) entries per request.
 CACHED = [
     (5, 3, 64, 16, 6, 9, (4, 4), (24, 24), None),
@@ -104,6 +105,7 @@ CACHED = [
     (3, 65, 64, 16, 5, 7, (4, 4), (24, 24), None),
     (3, 4, 256, 64, 20, 20, (4, 4), (24, 24), None),
     (4, 64, 512, 64, 128, 8192, (64, 2), (1024, 8192), 300),
+    (5, 64, 512, 64, 133, None, (64, 64), (1024, 1024), None),
     pytest.param(32, 64, 512, 64, 128, 512, (64, 64), (4096, 4096), None, marks=GPU),
     pytest.param(32, 64, 512, 64, 128, 8192, (64, 2), (4096, 8192), 300, marks=GPU),
     pytest.param(32, 64, 512, 64, 128, None, (64, 64), (4096, 4096), None, marks=GPU),

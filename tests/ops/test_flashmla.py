@@ -49,7 +49,8 @@ def _aligned(src: CacheSource) -> CacheSource:
 
 
 # (T, H, W, K, E, entries, visible): V4-Flash C4 decode, C128 decode (fixed width, 300 visible),
-# window-only, V4-Pro heads, a prefill-sized batch, padded heads.
+# window-only, V4-Pro heads, a prefill-sized batch, padded heads, a DSpark block step (7 requests x 5
+# queries, each naming 128 context and 5 block slots: a width FlashMLA pads to 256).
 CASES = [
     (32, 64, 128, 512, (64, 64), (4096, 4096), None),
     (32, 64, 128, 8192, (64, 2), (4096, 8192), 300),
@@ -57,6 +58,7 @@ CASES = [
     (16, 128, 128, 512, (64, 64), (1024, 1024), None),
     (1024, 64, 128, 512, (64, 64), (4096, 4096), None),
     (32, 16, 128, 512, (64, 64), (1024, 1024), None),
+    (35, 64, 133, None, (64, 64), (1024, 1024), None),
 ]
 
 
