@@ -129,6 +129,8 @@ def test_dspark_stays_in_the_v1_runner(tiny_0731_ckpt, monkeypatch):
     named: vLLM's rule); forcing V2 is named."""
     config = engine_config(tiny_0731_ckpt, {"method": "dspark", "model": str(tiny_0731_ckpt)})
     assert config.speculative_config.num_speculative_tokens == 5  # dspark_block_size
+    draft = config.speculative_config.draft_model_config.hf_config  # vLLM's rewrite: our registered class
+    assert (draft.model_type, draft.architectures) == ("deepseek_v4", ["DSparkDraftModel"])
     assert config.use_v2_model_runner is False
     assert "dspark speculative decoding" not in config._get_v1_model_runner_unsupported_features()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
