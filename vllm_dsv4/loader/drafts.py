@@ -1,10 +1,10 @@
-"""Which kind of checkpoint a directory holds, told from its config.json and its index, and the speculative
-method its draft serves.
+"""Which draft a checkpoint holds (its ``mtp.*`` tensors), told from its config.json and its index, and the
+speculative method that drafts with it.
 
-One row per kind; the first row that recognises a checkpoint names it. ``num_nextn_predict_layers`` does not
+One row per draft; the first row that recognises a checkpoint names it. ``num_nextn_predict_layers`` does not
 decide anything: the DSpark releases (V4-Flash-0731, V4-Pro-0813) leave it at 1 and ship three stages
-(dspark.md §1.2). It is read only where the index cannot be (a model that is not a local directory), to tell
-an MTP module from none.
+(docs/MODEL.md §7). It is read only where the index cannot be (a model that is not a local directory), to
+tell an MTP module from none.
 """
 
 from __future__ import annotations
@@ -32,33 +32,32 @@ def _has_mtp_module(raw: Mapping[str, Any], names: frozenset[str] | None) -> boo
 
 
 @dataclass(frozen=True)
-class CheckpointKind:
-    """``draft_method``: the ``speculative_config`` method that drafts with this kind's draft (None: no
-    draft); ``recognise(config, index names or None)``; ``holds``: what it carries, for messages."""
+class Draft:
+    """``method``: the ``speculative_config`` method that drafts with it (None: no draft);
+    ``recognise(config, index names or None)``; ``holds``: what the checkpoint carries, for messages."""
 
-    name: str
-    draft_method: str | None
+    method: str | None
     recognise: Callable[[Mapping[str, Any], frozenset[str] | None], bool]
     holds: str
 
 
-KINDS = (
-    CheckpointKind("dspark", "dspark", _has_dspark,
-                   "a DSpark drafter (dspark_* keys in config.json; mtp.0.main_proj, mtp.*.markov_head)"),
-    CheckpointKind("mtp", "mtp", _has_mtp_module, "an MTP module (mtp.0.e_proj, h_proj, enorm, hnorm)"),
-    CheckpointKind("no draft", None, lambda raw, names: True, "no draft model (no mtp.* tensors)"),
+DRAFTS = (
+    Draft("dspark", _has_dspark, "a DSpark drafter (dspark_* keys in config.json; mtp.0.main_proj, mtp.*.markov_head)"),
+    Draft("mtp", _has_mtp_module, "an MTP module (mtp.0.e_proj, h_proj, enorm, hnorm)"),
+    Draft(None, lambda raw, names: True, "no draft model (no mtp.* tensors)"),
 )
+_DRAFT_OF_METHOD = {draft.method: draft for draft in DRAFTS if draft.method}
 
 
-def checkpoint_kind(raw: Mapping[str, Any], names: Iterable[str] | None) -> CheckpointKind:
-    """The kind of a checkpoint with config.json ``raw`` and tensor ``names`` (None where the index cannot
-    be read); CheckpointError where config.json and the index disagree about its drafter."""
+def draft_of(raw: Mapping[str, Any], names: Iterable[str] | None) -> Draft:
+    """The draft of a checkpoint with config.json ``raw`` and tensor ``names`` (None where the index cannot
+    be read); CheckpointError where config.json and the index disagree about it."""
     frozen = None if names is None else frozenset(names)
     if frozen is not None:
         problems = dspark_problems(Dsv4Config.from_dict(raw).dspark, frozen)
         if problems:
             raise CheckpointError("; ".join(problems))
-    return next(kind for kind in KINDS if kind.recognise(raw, frozen))
+    return next(draft for draft in DRAFTS if draft.recognise(raw, frozen))
 
 
 def tensor_names(path: str | Path) -> list[str] | None:
@@ -75,15 +74,12 @@ def tensor_names(path: str | Path) -> list[str] | None:
     return None
 
 
-def check_draft_method(method: str, raw: Mapping[str, Any], names: Iterable[str] | None) -> CheckpointKind:
-    """Raise ConfigError unless the checkpoint's draft serves ``speculative_config`` method ``method`` (for
+def check_draft_method(method: str, raw: Mapping[str, Any], names: Iterable[str] | None) -> Draft:
+    """Raise ConfigError unless the checkpoint's draft serves ``speculative_config`` method ``method`` (one of
     the methods that draft with the checkpoint's own modules: mtp, dspark)."""
-    kind = checkpoint_kind(raw, names)
-    if kind.draft_method != method:
-        use = f"use method {kind.draft_method!r}" if kind.draft_method else "it cannot draft"
-        raise ConfigError(f"speculative decoding with method {method!r} needs {_KIND_OF_METHOD[method].holds}; "
-                          f"this checkpoint holds {kind.holds}: {use}")
-    return kind
-
-
-_KIND_OF_METHOD = {kind.draft_method: kind for kind in KINDS if kind.draft_method}
+    draft = draft_of(raw, names)
+    if draft.method != method:
+        use = f"use method {draft.method!r}" if draft.method else "it cannot draft"
+        raise ConfigError(f"speculative decoding with method {method!r} needs {_DRAFT_OF_METHOD[method].holds}; "
+                          f"this checkpoint holds {draft.holds}: {use}")
+    return draft
