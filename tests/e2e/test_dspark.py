@@ -102,14 +102,13 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = LOGIT_T
     return err
 
 
+@pytest.mark.parametrize("drafted", ["n5-recorded"], indirect=True)
 def test_every_intermediate_matches_the_reference(drafted, reference, greedy):
     """Each draft step of each request: the target features of the step's kept tokens (per target layer),
     main_x, each stage's context KV as its cache holds it (after norm and RoPE) for the window before the
     anchor, each stage's output streams, the head hidden, base and Markov-corrected logits, the confidences
     and the greedy drafts, against the reference given the request's committed tokens and anchor."""
     n, run = drafted
-    if not run["draft_rows"]:
-        pytest.skip("the drafter's intermediates are recorded in the n5-recorded run")
     sequences = {tuple(p): p + g for p, g in zip(PROMPTS, greedy)}
     features = {prompt: reference.features(seq) for prompt, seq in sequences.items()}
     D = reference.config.hidden_size
@@ -138,11 +137,10 @@ def test_every_intermediate_matches_the_reference(drafted, reference, greedy):
     assert steps >= len(PROMPTS) * NEW_TOKENS // 2, steps
 
 
+@pytest.mark.gpu
 def test_cuda_graph_drafts_equal_eager_drafts(tmp_path, tiny_0731_ckpt_unquantized, greedy):
-    """On a GPU: the block step replayed from its CUDA graphs (a batch padded to a captured size) drafts
-    what the eager step drafts, step by step, and the outputs stay greedy."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA graphs need a GPU")
+    """The block step replayed from its CUDA graphs (a batch padded to a captured size) drafts what the
+    eager step drafts, step by step, and the outputs stay greedy."""
     spec = {"method": "dspark", "num_speculative_tokens": 5}
     graphs = dict(enforce_eager=False, compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
                                                            "max_cudagraph_capture_size": 48})
