@@ -14,6 +14,7 @@ control: no draft touches it.
 import pytest
 import torch
 
+from tests.e2e.test_dspark import SHORTEST
 from tests.e2e.test_generate import ENGINE, make_prompts, run_vllm
 from tests.oracle.hf_oracle import load_hf_reference
 
@@ -26,7 +27,7 @@ P_VALUE = 1e-3  # per test; the engine's draws are seeded, so a pass is reproduc
 
 
 # drafter -> (preset, speculative_config)
-DRAFTERS = {"dspark": ("tiny-0731", {"method": "dspark", "num_speculative_tokens": 3,
+DRAFTERS = {"dspark": ("tiny-0731", {"method": "dspark", "num_speculative_tokens": max(3, SHORTEST),
                                      "draft_sample_method": "probabilistic"}),
             "mtp": ("tiny", {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"})}
 
