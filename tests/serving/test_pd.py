@@ -9,11 +9,10 @@ import sys
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import REPO_ROOT
 from tests.e2e.test_generate import make_prompts
-from tests.oracle.hf_oracle import load_hf_reference
+from tests.oracle.hf_oracle import greedy_sequence, load_hf_reference
 from tests.serving.conftest import ENGINE_FLAGS, free_port, stop, vllm_server, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -48,12 +47,7 @@ def pd(tiny_ckpt_unquantized, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greedy(tiny_ckpt_unquantized) -> list[int]:
-    model = load_hf_reference(tiny_ckpt_unquantized)
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False)
-    return out[0, len(PROMPT):].tolist()
+    return greedy_sequence(load_hf_reference(tiny_ckpt_unquantized), PROMPT, MAX_TOKENS)[len(PROMPT):]
 
 
 def complete(base: str, **extra) -> httpx.Response:
