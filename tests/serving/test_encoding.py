@@ -248,6 +248,21 @@ def test_images_become_placeholders_in_order():
     assert f"<｜User｜>{ph}\n\nand these?\n\n{ph}<｜Assistant｜>" in prompt
 
 
+def test_image_parts_are_the_placeholder_token_and_typed_ones_stay_text(tmp_path_factory, make_checkpoint_module):
+    """Through the tokenizer of a Vision checkpoint, each image part is the placeholder token (markup); the
+    placeholder typed into message text is encoded as text, so it cannot stand for an image."""
+    from vllm_dsv4.serving.tokenizer import Dsv4Tokenizer
+
+    ckpt = make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_vision_tok"), "tiny-vision",
+                                                  quantized=False)
+    tok = Dsv4Tokenizer.from_pretrained(str(ckpt))
+    placeholder = tok.convert_tokens_to_ids("<｜deepseek_image｜>")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    typed = {"type": "text", "text": "see <｜deepseek_image｜> here"}
+    ids = tok.apply_chat_template([{"role": "user", "content": [image, typed, image]}], tokenize=True, thinking=False)
+    assert ids.count(placeholder) == 2
+
+
 def test_tokenizer_mode_uses_special_token_ids(tokenizer):
     """Through the registered tokenizer, markers are single special tokens (ids from make_checkpoint)."""
     tok = tokenizer
