@@ -29,14 +29,15 @@ def blocks_by_loop(ids: list[int], req: list[int], positions: list[int]) -> tupl
     return first, last
 
 
-def window_by_loop(p: int, window: int, first: int, last: int) -> list[int]:
-    """§8: left = min(p - first, 383), right = last - p inside a block; [max(p - 127 - max(left - 127, 0), 0),
-    p + right] with 128 -> ``window``; positions below 0 are empty."""
+def window_by_loop(p: int, window: int, first: int, last: int, reach: int) -> list[int]:
+    """§8: left = min(p - first, reach - 1), right = min(last - p, reach) inside a block (reach: 384, the
+    largest image); [max(p - 127 - max(left - 127, 0), 0), p + right] with 128 -> ``window``; positions
+    below 0 are empty."""
     if first < 0:
         lo, hi = p - window + 1, p
     else:
-        left = p - first
-        lo, hi = p - (window - 1) - max(left - (window - 1), 0), last
+        left, right = min(p - first, reach - 1), min(last - p, reach)
+        lo, hi = p - (window - 1) - max(left - (window - 1), 0), p + right
     return [q for q in range(lo, hi + 1) if q >= 0]
 
 
@@ -67,11 +68,11 @@ def test_blocks_and_windows_equal_the_loops():
         first, last = image_blocks(torch.tensor(ids), torch.tensor(req), torch.tensor(positions))
         want_first, want_last = blocks_by_loop(ids, req, positions)
         assert first.tolist() == want_first and last.tolist() == want_last, (ids, req)
-        window = rng.choice([4, 16, 128])
-        entries = window_entries(torch.tensor(positions), window, first, last)
+        window, reach = rng.choice([4, 16, 128]), rng.choice([6, 384])  # 6: shorter than some blocks
+        entries = window_entries(torch.tensor(positions), window, first, last, reach=reach)
         for t, p in enumerate(positions):
             got = [q for q in entries[t].tolist() if q >= 0]
-            assert got == window_by_loop(p, window, want_first[t], want_last[t])
+            assert got == window_by_loop(p, window, want_first[t], want_last[t], reach)
 
 
 def test_padding_rows_and_blocks_across_requests_open_nothing():
@@ -86,4 +87,18 @@ def test_without_blocks_the_window_is_the_plain_one():
     plain = (positions[:, None] + torch.arange(1 - 16, 1)).clamp(min=-1)
     assert torch.equal(window_entries(positions, 16), plain)
     none = torch.full((6,), -1)
-    assert torch.equal(window_entries(positions, 16, none, none), plain)
+    assert torch.equal(window_entries(positions, 16, none, none, reach=384), plain)
+
+
+def test_a_block_longer_than_an_image_widens_no_further_than_one():
+    """Sentinel ids sent as prompt tokens can pair a START with an END thousands of tokens on; the window
+    of a token between them reaches 383 back and 384 ahead at most, as in the reference (§8)."""
+    positions = torch.arange(3000)
+    ids = torch.full((3000,), 7)
+    ids[0], ids[2999] = S, E
+    first, last = image_blocks(ids, torch.zeros(3000, dtype=torch.long), positions)
+    entries = window_entries(positions, 128, first, last, reach=384)
+    assert entries.shape[1] <= 128 + 2 * 384
+    row = [q for q in entries[1000].tolist() if q >= 0]
+    assert row == list(range(1000 - 383, 1000 + 384 + 1))
+    assert [q for q in entries[10].tolist() if q >= 0] == list(range(0, 10 + 384 + 1))

@@ -59,16 +59,17 @@ def post(base: str, body: dict) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
 
 
-def prompt_tokens(ckpt, text_with_placeholders: str, sizes: list[tuple[int, int]]) -> int:
-    """The prompt's length as the engine must see it: the encoded text, each placeholder its block and pad."""
-    from transformers import PreTrainedTokenizerFast
-
-    from vllm_dsv4.config import VisionConfig
+def prompt_tokens(ckpt, messages: list[dict], sizes: list[tuple[int, int]]) -> int:
+    """The prompt's length as the engine must see it: the messages as the checkpoint's tokenizer encodes
+    them (its release's defaults, as the server renders them), each placeholder its block and pad."""
     import json
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"))
+    from vllm_dsv4.config import VisionConfig
+    from vllm_dsv4.serving.tokenizer import Dsv4Tokenizer
+
+    tokenizer = Dsv4Tokenizer.from_pretrained(str(ckpt))
     vision = VisionConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
-    ids, sizes = tokenizer.encode(text_with_placeholders, add_special_tokens=False), iter(sizes)
+    ids, sizes = tokenizer.apply_chat_template(messages, tokenize=True), iter(sizes)
     placeholder = tokenizer.convert_tokens_to_ids(layout.IMAGE_PLACEHOLDER)
     length = 0
     for token in ids:
@@ -76,25 +77,22 @@ def prompt_tokens(ckpt, text_with_placeholders: str, sizes: list[tuple[int, int]
             length += layout.alignment_pad(length) + layout.solve_grid(*next(sizes), vision).num_block_tokens
         else:
             length += 1
+    assert next(sizes, None) is None, "fewer placeholders than images"
     return length
 
 
 def test_images_by_data_uri_and_file(server):
-    from vllm_dsv4.serving.encoding import encode_request
-
     base, media, ckpt = server
     cat = {"type": "image_url", "image_url": {"url": f"file://{media}/cat.png"}}
     earlier = [{"role": "user", "content": [data_uri(png(224, 224, seed=3))]}, {"role": "assistant", "content": "A."}]
     body = chat(TEXT, cat, turns=earlier)  # two images: one per turn
     r = post(base, body)
     assert r.status_code == 200, r.text
-    text = encode_request(body["messages"], None, thinking=False)
-    assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(ckpt, text, [(224, 224), (300, 200)])
+    assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(ckpt, body["messages"], [(224, 224), (300, 200)])
     two = chat(TEXT, data_uri(png(500, 130, seed=4)), data_uri(png(90, 300, seed=5)))  # two in one message
     r = post(base, two)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(
-        ckpt, encode_request(two["messages"], None, thinking=False), [(500, 130), (90, 300)])
+    assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(ckpt, two["messages"], [(500, 130), (90, 300)])
 
 
 BAD = {
@@ -122,6 +120,27 @@ def test_more_images_than_the_limit_is_a_400(server):
     base, _, _ = server
     r = post(base, chat(*[data_uri(png(32, 32, seed=s)) for s in range(LIMIT + 1)]))
     assert r.status_code == 400 and "image" in r.json()["error"]["message"], r.text
+    assert post(base, chat(TEXT, data_uri(png(32, 32)))).status_code == 200
+
+
+AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....WAVE").decode(), "format": "wav"}}
+TOOL_TURNS = ({"role": "user", "content": "Look it up."},
+              {"role": "assistant", "tool_calls": [{"id": "k", "type": "function",
+                                                    "function": {"name": "f", "arguments": "{}"}}]})
+MISPLACED = {
+    "audio part": (chat(TEXT, AUDIO), "audio"),
+    "image in a tool result": ({**chat(TEXT), "messages": [*TOOL_TURNS, {"role": "tool", "tool_call_id": "k", "content": [
+        data_uri(png(32, 32))]}]}, "not in tool results"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISPLACED))
+def test_other_media_and_misplaced_images_are_400s(server, case):
+    """A part of another medium, and an image where DeepSeek-V4 takes none, are refused before the engine."""
+    base, _, _ = server
+    body, message = MISPLACED[case]
+    r = post(base, body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert post(base, chat(TEXT, data_uri(png(32, 32)))).status_code == 200
 
 

@@ -65,6 +65,7 @@ class Attention(nn.Module):
         super().__init__()
         self.kind, self.ratio, self.eps = kind, kind.ratio, cfg.rms_norm_eps
         self.images = cfg.vision is not None  # prefill widens the window inside image blocks
+        self.image_reach = cfg.vision.max_n_token if self.images else 0
         self.head_dim, self.window, self.o_rank = cfg.head_dim, cfg.sliding_window, cfg.o_lora_rank
         self.num_heads = shard.part(cfg.num_attention_heads, "num_attention_heads")
         self.groups = shard.part(cfg.o_groups, "o_groups")
@@ -194,7 +195,9 @@ class Attention(nn.Module):
 
         def make():
             first, last = image_blocks(input_ids, md.token_to_req, positions)
-            return window_entries(positions, self.window, first, last) if bool((first >= 0).any()) else None
+            if not bool((first >= 0).any()):
+                return None
+            return window_entries(positions, self.window, first, last, reach=self.image_reach)
 
         return md.plan.image_window.once((), make)
 

@@ -41,15 +41,17 @@ def _next(marks: torch.Tensor, fill: int | None = None) -> torch.Tensor:
 
 
 def window_entries(positions: torch.Tensor, window: int, first: torch.Tensor | None = None,
-                   last: torch.Tensor | None = None) -> torch.Tensor:
+                   last: torch.Tensor | None = None, *, reach: int | None = None) -> torch.Tensor:
     """Window slots [T, W'] of each query: the positions ``p - window + 1 .. p``, widened for a token of an
-    image block to ``min(p - window + 1, first) .. last``; -1 for an empty slot. ``W' = window`` without
-    blocks, else ``window`` + the longest block - 1."""
+    image block to ``min(p - window + 1, max(first, p - reach + 1)) .. min(last, p + reach)``; -1 for an
+    empty slot. ``reach`` (with blocks): ``vision_max_n_token``, the reference's bound (a real block is shorter, so it
+    never binds; sentinel ids sent as prompt tokens can pair into a longer one). ``W' = window`` without
+    blocks, else at most ``window + 2 * reach``."""
     lo, hi = positions - window + 1, positions
     if first is not None:
         inside = first >= 0
-        lo = torch.where(inside, torch.minimum(lo, first), lo)
-        hi = torch.where(inside, last, hi)
+        lo = torch.where(inside, torch.minimum(lo, torch.maximum(first, positions - reach + 1)), lo)
+        hi = torch.where(inside, torch.minimum(last, positions + reach), hi)
     width = int((hi - lo).max()) + 1 if first is not None and positions.numel() else window
     entries = lo[:, None] + torch.arange(width, device=positions.device)  # [T, W']
     return torch.where(entries <= hi[:, None], entries, -1).clamp_(min=-1)
