@@ -15,7 +15,9 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    ``DEFAULT_BLOCK_TOKENS`` unless the user chose a multiple of ``COMPRESSED_BLOCK_MULTIPLE``, and
    makes CUDA graphs ``FULL_DECODE_ONLY`` unless the user asks for a piecewise mode
    (``FULL_AND_PIECEWISE``, ``PIECEWISE``) and breakable graphs run it (``graph_modes``); it runs
-   before the platform hook (1) and before vLLM fills in its defaults. vLLM's own default
+   before the platform hook (1) and before vLLM fills in its defaults; for a Vision checkpoint
+   (``DeepseekV4ForConditionalGeneration``, patch 9) it also checks that a step can hold the largest
+   image block (vision/schedule.py ``check_budget``). vLLM's own default
    (FULL_AND_PIECEWISE) becomes ours once piecewise replay has been checked on the GPU
    (tests/e2e/test_gpu_path.py) | the in-tree hook no longer depending on its backend for the size.
 3. ``SpeculativeConfig.hf_config_override`` (0.26 and 0.32) | for ``method="mtp"`` on a checkpoint

@@ -1,6 +1,6 @@
 """``DeepseekV4ForConditionalGeneration``: the text model behind a vision tower (docs/VISION.md §6, §9).
 
-A Vision checkpoint says ``DeepseekV4ForCausalLM``; the plugin routes it here (compat). Each image's
+A Vision checkpoint says ``DeepseekV4ForCausalLM``; the plugin routes it here (patches.py, patch 9). Each image's
 IMAGE tokens take the aligner's outputs (``embed_multimodal``), the other sentinel tokens learned
 vectors (``embed_input_ids``); the merged embeddings enter the text model before its streams are
 made. The text model also reads the raw ids: image sentinels route with ``bias_vl`` and widen the
