@@ -196,3 +196,22 @@ def test_vision_patches_wrap_once():
         patches.patch_scheduler_for_images()
     for patched in (model_config.get_config, Scheduler.__init__):
         assert patched._dsv4_patched and not getattr(patched.__wrapped__, "_dsv4_patched", False)
+
+
+
+def test_an_image_over_the_pixel_limit_is_a_value_error(tmp_path):
+    """Patch 11: Pillow's decompression-bomb error (no ValueError: the server would answer 500) becomes a
+    ValueError naming the size, from bytes and from a file."""
+    import io
+
+    from PIL import Image
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    patches.patch_image_loading()
+    buffer = io.BytesIO()
+    Image.new("1", (20000, 10000)).save(buffer, format="PNG")  # 200 M pixels in 24 kB
+    (tmp_path / "bomb.png").write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=r"200000000 pixels\) exceeds limit"):
+        ImageMediaIO().load_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=r"200000000 pixels\) exceeds limit"):
+        ImageMediaIO().load_file(tmp_path / "bomb.png")

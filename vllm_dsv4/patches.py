@@ -66,6 +66,11 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
     that start before the image's placeholder | ``patch_scheduler_for_images()`` puts
     vision/schedule.py's guards on a Vision model's scheduler (its own methods) | vLLM keeping
     bidirectional spans whole itself.
+11. ``ImageMediaIO.load_bytes`` / ``load_file`` (0.26 and 0.32) | an image over Pillow's pixel limit (twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``, the default ``VLLM_MAX_IMAGE_PIXELS`` too) raises Pillow's
+    ``DecompressionBombError`` when vLLM opens it, before vLLM's own pixel check; it is no ``ValueError``,
+    so the server answers it with a 500 | ``patch_image_loading()`` re-raises it as a ``ValueError``
+    (a 400) naming the pixel count and the limit | vLLM catching it where it loads images.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ def apply(warm_up: Callable, dspark_proposer: Callable[[], type]) -> None:
         patch_cpu_expand_kernel()
     patch_vision_architecture()
     patch_scheduler_for_images()
+    patch_image_loading()
 
 
 def patch_cpu_platform() -> None:
@@ -214,6 +220,27 @@ def patch_scheduler_for_images() -> None:
 
     __init__._dsv4_patched = True
     Scheduler.__init__ = __init__
+
+
+def patch_image_loading() -> None:
+    """Patch 11: an image over Pillow's pixel limit is a ValueError (a 400), as vLLM's own pixel check's is."""
+    from PIL import Image
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    for name in ("load_bytes", "load_file"):
+        original = getattr(ImageMediaIO, name)
+        if getattr(original, "_dsv4_patched", False):
+            continue
+
+        def load(self, data, _original=original):
+            try:
+                return _original(self, data)
+            except Image.DecompressionBombError as e:
+                raise ValueError(f"Failed to load image: {e}") from e
+
+        functools.update_wrapper(load, original)
+        load._dsv4_patched = True
+        setattr(ImageMediaIO, name, load)
 
 
 _in_tree_hf_config_override = None  # vLLM's SpeculativeConfig.hf_config_override, once patched

@@ -28,6 +28,13 @@ def png(width: int, height: int, seed: int = 0, noise: bool = True) -> bytes:
     return buffer.getvalue()
 
 
+def bomb() -> bytes:
+    """A PNG of 20,000 x 10,000 one-bit pixels: 24 kB, over vLLM's default VLLM_MAX_IMAGE_PIXELS."""
+    buffer = io.BytesIO()
+    Image.new("1", (20000, 10000)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def data_uri(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
 
@@ -100,6 +107,7 @@ BAD = {
     "truncated": (lambda media: data_uri(png(64, 64)[:2000]), "Failed to load image"),
     "1x1": (lambda media: data_uri(png(1, 1)), "image is 1x1 pixels; each side must be at least 14 pixels"),
     "100000x10": (lambda media: data_uri(png(100_000, 10, noise=False)), "image is 100000x10 pixels"),
+    "200 M pixels": (lambda media: data_uri(bomb()), r"200000000 pixels\) exceeds limit"),  # in 24 kB
     "50 MB file": (lambda media: {"type": "image_url", "image_url": {"url": f"file://{media}/big.png"}},
                    r"image file is 50\.\d MiB; the limit is 20 MiB"),
 }
