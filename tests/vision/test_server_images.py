@@ -152,6 +152,19 @@ def test_other_media_and_misplaced_images_are_400s(server, case):
     assert post(base, chat(TEXT, data_uri(png(32, 32)))).status_code == 200
 
 
+def test_client_media_ids_do_not_key_the_caches(server):
+    """Two images of different sizes under one client ``uuid``: each prompt has its own image's block (vLLM
+    would take the first image's cached block for the second); a ``uuid`` without an image is a 400."""
+    base, _, ckpt = server
+    for size, seed in (((224, 224), 21), ((90, 300), 22)):
+        body = chat(TEXT, {**data_uri(png(*size, seed=seed)), "uuid": "shared-id"})
+        r = post(base, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == prompt_tokens(ckpt, body["messages"], [size])
+    r = post(base, chat(TEXT, {"type": "image_url", "image_url": None, "uuid": "shared-id"}))
+    assert r.status_code == 400 and "uuid alone is not taken" in r.json()["error"]["message"], r.text
+
+
 def test_streaming_chat_with_an_image(server):
     from openai import OpenAI
 
