@@ -137,8 +137,8 @@ TOOL_TURNS = ({"role": "user", "content": "Look it up."},
                                                     "function": {"name": "f", "arguments": "{}"}}]})
 MISPLACED = {
     "audio part": (chat(TEXT, AUDIO), "audio"),
-    "image in a tool result": ({**chat(TEXT), "messages": [*TOOL_TURNS, {"role": "tool", "tool_call_id": "k", "content": [
-        data_uri(png(32, 32))]}]}, "not in tool results"),
+    "image in a tool result": ({**chat(TEXT), "messages": [
+        *TOOL_TURNS, {"role": "tool", "tool_call_id": "k", "content": [data_uri(png(32, 32))]}]}, "not in tool results"),
 }
 
 
