@@ -142,7 +142,8 @@ case "${1:-unit}" in
     summary "$LOG_DIR/dspark.log" ;;
   vision)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/vision tests/model/test_image_window.py \
-      tests/model/test_image_routing.py -k "not server" > "$LOG_DIR/vision.log" 2>&1; summary "$LOG_DIR/vision.log" ;;
+      tests/model/test_image_routing.py tests/test_patches.py -k "not server and (not test_patches or vision_patches \
+      or pixel_limit)" > "$LOG_DIR/vision.log" 2>&1; summary "$LOG_DIR/vision.log" ;;
   vision-flash)
     [ -f "$FLASH_VISION/config.json" ] || python scripts/make_checkpoint.py --preset flash-vision --num-layers 4 \
       --vision-layers 32 --out "$FLASH_VISION" --device cuda | tail -1
