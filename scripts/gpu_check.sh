@@ -24,6 +24,10 @@
 #                                      # forced drafts (DSpark and MTP), probabilistic drafting's distribution
 #   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
 #                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
+#   scripts/gpu_check.sh vision        # images: preprocessing, tower and processor units, then prompts with one
+#                                      # and two images vs the whole-model reference (tiny-vision, vLLM 0.26)
+#   scripts/gpu_check.sh vision-flash  # Vision-Exp dimensions (4 text layers, the 32-layer tower): tower time per
+#                                      # image (scripts/bench_vision.py), then one image prompt with CUDA graphs
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh graph-launch  # scripts/bench_graph_launch.py: a CUDA graph launch's host cost per node, by kind
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
@@ -48,6 +52,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
 FLASH=${FLASH_CKPT:-/tmp/dsv4-flash-6l}
+FLASH_VISION=${FLASH_VISION_CKPT:-/tmp/dsv4-flash-vision-4l}
 LIMIT=${STAGE_LIMIT:-560}  # seconds per stage; lower it to fit two stages into one device call
 mkdir -p "$LOG_DIR"
 export VLLM_PLUGINS=vllm_dsv4 PYTHONUNBUFFERED=1
@@ -135,6 +140,18 @@ case "${1:-unit}" in
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/e2e/test_dspark.py \
       tests/e2e/test_forced_drafts.py tests/e2e/test_dspark_sampling.py > "$LOG_DIR/dspark.log" 2>&1
     summary "$LOG_DIR/dspark.log" ;;
+  vision)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/vision tests/model/test_image_window.py \
+      tests/model/test_image_routing.py tests/test_patches.py -k "not server and (not test_patches or vision_patches \
+      or pixel_limit)" > "$LOG_DIR/vision.log" 2>&1; summary "$LOG_DIR/vision.log" ;;
+  vision-flash)
+    [ -f "$FLASH_VISION/config.json" ] || python scripts/make_checkpoint.py --preset flash-vision --num-layers 4 \
+      --vision-layers 32 --out "$FLASH_VISION" --device cuda | tail -1
+    timeout "$LIMIT" python scripts/bench_vision.py --preset flash-vision --device cuda --repeat 10 \
+      > "$LOG_DIR/bench_vision.log" 2>&1; cat "$LOG_DIR/bench_vision.log"
+    DSV4_FLASH_VISION_CKPT="$FLASH_VISION" timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf \
+      --tb=short tests/vision/test_generate_images.py -k flash_vision > "$LOG_DIR/vision_flash.log" 2>&1
+    summary "$LOG_DIR/vision_flash.log" ;;
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;

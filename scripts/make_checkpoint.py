@@ -11,6 +11,9 @@ Presets (docs/MODEL.md §13.1, §1.1):
             the same with the DSpark drafter of V4-Flash-0731 / V4-Pro-0813 instead of the MTP module
             (dspark.md §2): one stage per target layer (the last three main layers), compress_ratios
             extended by three zeros, num_nextn_predict_layers left at 1 as the releases do
+  tiny-vision   tiny-0731 with a tiny vision tower (every Vision-Exp tensor, official names and dtypes), the
+                real vocabulary (image sentinels are reserved ids 129257..129261) and rms_norm_eps 1e-20
+  flash-vision  Vision-Exp: flash-0731 plus the real tower, ``--vision-layers`` (default 32) ViT blocks
 
 The quantized variant stores FP8 block-128 linears and MXFP4 routed experts with e8m0 scales
 (``quantization_config`` + ``expert_dtype: fp4``); the Base presets FP8 block-128 routed experts and
@@ -215,6 +218,32 @@ _TINY_PRO_0813_OVERRIDES: dict[str, Any] = {
     "dspark_markov_rank": 16,
 }
 
+# DeepSeek-V4-Flash-Vision-Exp's additions (docs/VISION.md §1)
+_VISION: dict[str, Any] = {
+    "vision_n_layers": 32,
+    "vision_dim": 1024,
+    "vision_n_heads": 16,
+    "vision_inter_dim": 2816,
+    "vision_patch_size": 14,
+    "vision_rope_theta": 10000.0,
+    "vision_downsample_ratio": 3,
+    "vision_max_n_token": 384,
+    "vision_min_pixels": 147456,
+    "vision_max_wh_ratio": 8,
+    "rms_norm_eps": 1e-20,
+}
+
+# A tower of tiny widths; the patch, merge and token-budget arithmetic stay the real ones. The vocabulary is
+# the real size: the image sentinels are the tokenizer's reserved ids 129257..129261.
+_TINY_VISION_OVERRIDES: dict[str, Any] = {
+    **_VISION,
+    "vocab_size": 129280,
+    "vision_n_layers": 2,
+    "vision_dim": 32,
+    "vision_n_heads": 2,
+    "vision_inter_dim": 48,
+}
+
 # Each preset as its overrides of the released V4-Flash config (tiny-pro's and ktiny's on top of tiny's)
 _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "tiny": _TINY_OVERRIDES,
@@ -226,6 +255,8 @@ _PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "tiny-0731": {**_TINY_OVERRIDES, **_TINY_0731_OVERRIDES},
     "tiny-pro-0813": {**_TINY_OVERRIDES, **_TINY_PRO_OVERRIDES, **_TINY_PRO_0813_OVERRIDES},
     "flash-0731": _FLASH_0731_OVERRIDES,
+    "tiny-vision": {**_TINY_OVERRIDES, **_TINY_0731_OVERRIDES, **_TINY_VISION_OVERRIDES},
+    "flash-vision": {**_FLASH_0731_OVERRIDES, **_VISION},
 }
 PRESETS = tuple(_PRESET_OVERRIDES)
 # The routed experts' format of the quantized variant (V4-Flash-Base: FP8); every other preset: MXFP4
@@ -262,14 +293,18 @@ def _truncate_layers(raw: dict[str, Any], num_layers: int) -> None:
 
 
 def make_config(preset: str, *, quantized: bool = True, num_layers: int | None = None,
-                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                vision_layers: int | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict (official key style) of a preset, with ``overrides`` (tests: e.g. a 32-token
-    vocabulary, where sampled distributions can be counted)."""
+    vocabulary, where sampled distributions can be counted); ``vision_layers``: ViT blocks of a vision preset."""
     if preset not in _PRESET_OVERRIDES:
         raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}")
     raw = json.loads(json.dumps({**_FLASH, **_PRESET_OVERRIDES[preset], **(overrides or {})}))  # a deep copy
     if preset.startswith("flash") and num_layers is None:
         num_layers = 6
+    if vision_layers is not None:
+        if "vision_n_layers" not in raw or vision_layers < 1:
+            raise ValueError(f"--vision-layers {vision_layers}: needs a vision preset and at least 1 layer")
+        raw["vision_n_layers"] = vision_layers
     if num_layers is not None and num_layers != raw["num_hidden_layers"]:
         _truncate_layers(raw, num_layers)
     raw.update(_INERT)
@@ -301,9 +336,9 @@ def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int,
     """
     g = _generator(seed, name, device)
     last = name.rsplit(".", 1)[-1]
-    if name == "embed.weight":
+    if name == "embed.weight" or name in ckpt_table.SENTINEL_EMBEDDINGS:
         return _randn(g, shape)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
         return 1.0 + 0.1 * _randn(g, shape)
     if last.endswith("_fn"):  # hc_{attn,ffn}_fn, hc_head_fn: mix logits mu ~ N(0, 1)
         return _randn(g, shape) / math.sqrt(shape[1])
@@ -317,6 +352,10 @@ def master_weight(name: str, shape: tuple[int, ...], cfg: Dsv4Config, seed: int,
         return 0.5 * _randn(g, shape)
     if name.endswith("gate.bias"):
         return 0.25 * _randn(g, shape)
+    if last == "bias_vl":  # larger than gate.bias: image tokens then pick visibly different experts
+        return _randn(g, shape)
+    if last == "bias":  # the vision tower's and aligner's linears
+        return 0.1 * _randn(g, shape)
     if len(shape) == 2 and last == "weight":  # every linear (incl. head, gate, compressor)
         return _randn(g, shape) / math.sqrt(shape[1])
     raise KeyError(f"no init rule for {name} {shape}")
@@ -503,8 +542,31 @@ def build_tokenizer(vocab_size: int, model_max_length: int):
 MIN_TOKENIZER_VOCAB = 512
 
 
-def write_tokenizer(out: Path, vocab_size: int, model_max_length: int) -> None:
+def with_image_tokens(tok):
+    """``tok`` with the image placeholder and the five sentinel tokens at the real tokenizer's ids: the
+    reserved ids up to 129257 fill the BPE vocabulary (unreachable, no merges lead to them)."""
+    from tokenizers import Tokenizer
+
+    from vllm_dsv4.vision.layout import IMAGE_PLACEHOLDER, SENTINEL_BASE_ID, SENTINEL_TOKENS
+
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(len(vocab), SENTINEL_BASE_ID):
+        vocab[f"<｜reserved_{i}｜>"] = i
+    for i, name in enumerate(SENTINEL_TOKENS + (IMAGE_PLACEHOLDER,)):
+        vocab[name] = SENTINEL_BASE_ID + i
+        data["added_tokens"].append({"id": SENTINEL_BASE_ID + i, "content": name, "single_word": False,
+                                     "lstrip": False, "rstrip": False, "normalized": False,
+                                     "special": name != IMAGE_PLACEHOLDER})
+    tok = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+    assert [tok.token_to_id(t) for t in SENTINEL_TOKENS] == list(range(SENTINEL_BASE_ID, SENTINEL_BASE_ID + 5))
+    return tok
+
+
+def write_tokenizer(out: Path, vocab_size: int, model_max_length: int, image_tokens: bool = False) -> None:
     tok = build_tokenizer(min(vocab_size, 1024), model_max_length)
+    if image_tokens:
+        tok = with_image_tokens(tok)
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -532,6 +594,7 @@ def make_checkpoint(
     quantized: bool = True,
     seed: int = 0,
     num_layers: int | None = None,
+    vision_layers: int | None = None,
     log: Callable[[str], None] | None = None,
     device: str = "cpu",
     overrides: dict[str, Any] | None = None,
@@ -543,13 +606,16 @@ def make_checkpoint(
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         stale.unlink()
 
-    raw = make_config(preset, quantized=quantized, num_layers=num_layers, overrides=overrides)
-    raw_q = make_config(preset, quantized=True, num_layers=num_layers, overrides=overrides)
-    raw_u = make_config(preset, quantized=False, num_layers=num_layers, overrides=overrides)
+    sizes = dict(num_layers=num_layers, vision_layers=vision_layers, overrides=overrides)
+    raw = make_config(preset, quantized=quantized, **sizes)
+    raw_q = make_config(preset, quantized=True, **sizes)
+    raw_u = make_config(preset, quantized=False, **sizes)
     cfg = Dsv4Config.from_dict(raw)
     cfg_q, cfg_u = Dsv4Config.from_dict(raw_q), Dsv4Config.from_dict(raw_u)
 
     groups: list[tuple[str, Callable[[Dsv4Config], dict]]] = [("top", ckpt_table.top_level_tensors)]
+    if cfg.vision:
+        groups.append(("vision", ckpt_table.vision_tensors))
     groups += [(f"layer{i:03d}", lambda c, i=i: ckpt_table.layer_tensors(c, i)) for i in range(cfg.num_hidden_layers)]
     groups += [(f"mtp{k}", lambda c, k=k: ckpt_table.draft_tensors(c, k)) for k in range(cfg.draft_layers)]
 
@@ -575,7 +641,7 @@ def make_checkpoint(
                    indent=2) + "\n"
     )
     if cfg.vocab_size >= MIN_TOKENIZER_VOCAB:
-        write_tokenizer(out, cfg.vocab_size, cfg.max_position_embeddings)
+        write_tokenizer(out, cfg.vocab_size, cfg.max_position_embeddings, image_tokens=cfg.vision is not None)
 
     # Self-check against the single table (reads headers only).
     ckpt_table.validate(Dsv4Config.from_pretrained(out), ckpt_table.Checkpoint(out))
@@ -590,11 +656,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="store bf16 (dequantized) weights, no quantization_config")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=None, help="main layers (flash, flash-base default: 6)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="ViT blocks of a vision preset")
     ap.add_argument("--device", default="cpu", help="draw and quantise there, e.g. cuda (different values)")
     args = ap.parse_args(argv)
     t = time.time()
     path = make_checkpoint(args.out, args.preset, quantized=not args.unquantized, seed=args.seed,
-                           num_layers=args.num_layers, log=lambda s: print(s, flush=True), device=args.device)
+                           num_layers=args.num_layers, vision_layers=args.vision_layers,
+                           log=lambda s: print(s, flush=True), device=args.device)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     print(f"wrote {path} ({size / 2**30:.3f} GiB) in {time.time() - t:.1f}s")
     return 0

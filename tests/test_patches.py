@@ -183,3 +183,35 @@ def test_speculative_sampling_expands_per_request_values_on_cpu():
         replace = (0, 99) if values.dtype == torch.int32 else (0, 0)
         got = expand_batch_to_tokens(values, cu, 6, *replace)
         assert got.dtype == values.dtype and got.tolist() == pytest.approx(want)
+
+
+def test_vision_patches_wrap_once():
+    """Patches 9 and 10 (a Vision config's class, the scheduler's image guards): applying them again wraps
+    nothing twice."""
+    from vllm.config import model as model_config
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for _ in range(2):
+        patches.patch_vision_architecture()
+        patches.patch_scheduler_for_images()
+    for patched in (model_config.get_config, Scheduler.__init__):
+        assert patched._dsv4_patched and not getattr(patched.__wrapped__, "_dsv4_patched", False)
+
+
+
+def test_an_image_over_the_pixel_limit_is_a_value_error(tmp_path):
+    """Patch 11: Pillow's decompression-bomb error (no ValueError: the server would answer 500) becomes a
+    ValueError naming the size, from bytes and from a file."""
+    import io
+
+    from PIL import Image
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    patches.patch_image_loading()
+    buffer = io.BytesIO()
+    Image.new("1", (20000, 10000)).save(buffer, format="PNG")  # 200 M pixels in 24 kB
+    (tmp_path / "bomb.png").write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=r"200000000 pixels\) exceeds limit"):
+        ImageMediaIO().load_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=r"200000000 pixels\) exceeds limit"):
+        ImageMediaIO().load_file(tmp_path / "bomb.png")

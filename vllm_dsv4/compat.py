@@ -22,6 +22,13 @@ are patches.py's (applied by plugin.register()); bindings to vLLM's kernels ops/
    ``get_transfer_results`` returns ``KVConnectorTransferResults.failed_recving``, which vLLM recomputes
    or fails by ``kv_load_failure_policy`` | ``reports_failed_loads()``, ``kv_transfer_results()``; on 0.26 a
    failed load raises naming the entry | 0.26 support ends.
+6. Multimodal processing (``BaseMultiModalProcessor``) | the processor is called with the prompt text
+   (``_call_hf_processor(prompt, mm_data, mm_kwargs, tok_kwargs)``) and returns its ``input_ids``; for
+   images without text it goes through HF's ``ProcessorMixin`` helpers unless the model overrides
+   ``_call_hf_processor``, and it asks ``_hf_processor_applies_updates`` | the processor sees images
+   only (``_call_hf_processor(hf_data, hf_kwargs)``) | vision/processor.py: ``ImageProcessor`` tokenises
+   text when given, the model's processor overrides both methods (passing through, and False); the
+   placeholder pads go in ``_apply_prompt_updates``, the same in both | 0.26 support ends.
 """
 
 from __future__ import annotations

@@ -37,6 +37,16 @@ class LayerKind(enum.Enum):
 # compress_ratios values -> layer kind (1 is also sliding-window only)
 _KIND_OF_RATIO = {0: LayerKind.SWA, 1: LayerKind.SWA, 4: LayerKind.C4, 128: LayerKind.C128}
 
+# Image sentinel token types (docs/VISION.md §4); type t is the tokenizer's reserved id SENTINEL_BASE_ID + t
+# (<|place_holder_mm_span_0431|> .. _0435|>): in-vocabulary, unlike the reference's vocab_size + t, so they
+# pass vLLM's prompt validation and detokenise.
+IMAGE_START, IMAGE_PAD, IMAGE, IMAGE_NEWLINE, IMAGE_END = range(5)
+NUM_SENTINELS = 5
+SENTINEL_BASE_ID = 129257
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # where the chat encoding puts an image; vLLM expands it to the block
+# vision_max_n_token at least: below it the image size solver has no grid of two rows to fall back on
+MIN_IMAGE_TOKENS = 16
+
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a DeepSeek-V4 model."""
@@ -99,6 +109,58 @@ class DSparkConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower and image layout of a Vision checkpoint (``vision_*`` keys; docs/VISION.md §1).
+    Units: pixels, LLM tokens."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    inter_dim: int
+    patch_size: int
+    rope_theta: float
+    downsample_ratio: int  # the aligner merges downsample_ratio x downsample_ratio patches
+    max_n_token: int  # LLM tokens per image at most, alignment pad included
+    min_pixels: int  # smaller images are scaled up to this area
+    max_wh_ratio: float | None  # wider images are sized as if this wide, then stretched
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "VisionConfig | None":
+        """The ``vision_*`` keys of a config.json, or None for a text-only one (``vision_n_layers`` 0 or absent)."""
+        n_layers = int(raw.get("vision_n_layers", 0) or 0)
+        if n_layers <= 0:
+            return None
+        ratio = raw.get("vision_max_wh_ratio", 8)
+        vision = cls(
+            n_layers=n_layers,
+            dim=int(raw.get("vision_dim", 1024)),
+            n_heads=int(raw.get("vision_n_heads", 16)),
+            inter_dim=int(raw.get("vision_inter_dim", 2816)),
+            patch_size=int(raw.get("vision_patch_size", 14)),
+            rope_theta=float(raw.get("vision_rope_theta", 10000.0)),
+            downsample_ratio=int(raw.get("vision_downsample_ratio", 3)),
+            max_n_token=int(raw.get("vision_max_n_token", 384)),
+            min_pixels=int(raw.get("vision_min_pixels", 147456)),
+            max_wh_ratio=None if ratio is None else float(ratio),
+        )
+        # 2-D RoPE rotates half of each head per image axis, in rotate-half pairs
+        if vision.dim % vision.n_heads or vision.head_dim % 4:
+            raise ConfigError(f"vision_dim={vision.dim} / vision_n_heads={vision.n_heads} does not give a head "
+                              f"dim divisible by 4")
+        if min(vision.patch_size, vision.downsample_ratio, vision.inter_dim) < 1 or vision.min_pixels < 0:
+            raise ConfigError("vision_patch_size, vision_downsample_ratio and vision_inter_dim must be positive")
+        if vision.max_n_token < MIN_IMAGE_TOKENS:
+            raise ConfigError(f"vision_max_n_token={vision.max_n_token} is below {MIN_IMAGE_TOKENS}")
+        if vision.max_wh_ratio is not None and vision.max_wh_ratio < 1:
+            raise ConfigError(f"vision_max_wh_ratio={vision.max_wh_ratio} is below 1")
+        return vision
+
+
+@dataclass(frozen=True)
 class Dsv4Config:
     """The fields of an official DeepSeek-V4 ``config.json`` the model needs. Units: tokens, dims."""
 
@@ -136,6 +198,7 @@ class Dsv4Config:
     expert_dtype: str
     quantized: bool
     dspark: DSparkConfig | None = None
+    vision: VisionConfig | None = None  # set for a Vision checkpoint
 
     @property
     def draft_layers(self) -> int:
@@ -233,6 +296,7 @@ class Dsv4Config:
             expert_dtype=str(raw.get("expert_dtype", "fp4") if quant else "bf16"),
             quantized=quant is not None,
             dspark=dspark,
+            vision=VisionConfig.from_dict(raw),
         )
         if cfg.n_shared_experts != 1:
             raise ConfigError(f"n_shared_experts={cfg.n_shared_experts}; DeepSeek-V4 has exactly 1")

@@ -9,8 +9,8 @@ step of a process takes the same paths; the kernel-path switches are read only w
 (``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, BATCH_INVARIANT,
 VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN), ``model.attention`` (ATTN_QUERY_CHUNK, ATTN_CALL_BYTES),
 ``warmup`` (WARMUP), ``compat`` (BREAKABLE_CUDAGRAPH, read when vLLM's config is checked),
-``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``serving.cli`` (PLUGINS), ``plugin``
-(TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
+``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``vision.processor`` (MAX_IMAGE_MB),
+``serving.cli`` (PLUGINS), ``plugin`` (TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ BREAKABLE_CUDAGRAPH = Switch("VLLM_USE_BREAKABLE_CUDAGRAPH", None, "vllm", meani
 DEEP_GEMM_WARMUP = Switch("VLLM_DEEP_GEMM_WARMUP", "relax", "vllm", through_vllm=True, meaning=(
     "vLLM's DeepGEMM warm-up sizes ('relax', 'full', 'skip'); our DeepGEMM-backed linears are warmed at the "
     "same token counts."))
+MAX_IMAGE_MB = Switch("VLLM_DSV4_MAX_IMAGE_MB", "20", "user", meaning=(
+    "The largest image file (or data URI, decoded) a request may send, in MiB; a larger one is refused with a "
+    "400 naming its size. vLLM's own VLLM_MAX_IMAGE_PIXELS bounds the decoded pixels."))
 PLUGINS = Switch("VLLM_PLUGINS", None, "vllm", meaning=(
     "vLLM's list of the general plugins to load (all installed ones when unset); `vllm-dsv4 ... --plugin NAME` "
     "adds NAME to it."))
@@ -101,4 +104,5 @@ VLLM_CACHE_ROOT = Switch("VLLM_CACHE_ROOT", "~/.cache/vllm", "vllm", through_vll
     "vLLM's cache root; Triton's kernel cache goes under it unless TRITON_CACHE_DIR is set."))
 
 SWITCHES = (OPS, MOE, BATCH_INVARIANT, VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES,
-            WARMUP, BREAKABLE_CUDAGRAPH, DEEP_GEMM_WARMUP, PLUGINS, TRITON_CACHE_DIR, VLLM_CACHE_ROOT)
+            WARMUP, BREAKABLE_CUDAGRAPH, DEEP_GEMM_WARMUP, MAX_IMAGE_MB, PLUGINS, TRITON_CACHE_DIR,
+            VLLM_CACHE_ROOT)

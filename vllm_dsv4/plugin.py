@@ -12,6 +12,8 @@ _registered = False
 
 MODEL_CLASSES = {
     "DeepseekV4ForCausalLM": "vllm_dsv4.model.decoder:DeepseekV4ForCausalLM",
+    # a checkpoint with a vision tower (patches.py patch 9 names it so on vLLM 0.26 too)
+    "DeepseekV4ForConditionalGeneration": "vllm_dsv4.vision.model:DeepseekV4ForConditionalGeneration",
     "DeepSeekV4MTPModel": "vllm_dsv4.model.mtp:DeepseekV4MTP",  # the name vLLM's "mtp" method asks for
     "DSparkDraftModel": "vllm_dsv4.model.dspark:DeepseekV4DSpark",  # and its "dspark" method
 }

@@ -263,8 +263,9 @@ def hf_config_from_json(raw: dict):
     return cfg
 
 
-def load_hf_reference(ckpt_dir: str | Path):
-    """transformers DeepseekV4ForCausalLM (fp32, eager, eval) with the checkpoint's weights."""
+def load_hf_reference(ckpt_dir: str | Path, weights: dict[str, torch.Tensor] | None = None):
+    """transformers DeepseekV4ForCausalLM (fp32, eager, eval) with the checkpoint's weights (or ``weights``,
+    official names, dequantised: the text model's part of a bigger checkpoint)."""
     from transformers import DeepseekV4ForCausalLM
 
     ckpt_dir = Path(ckpt_dir)
@@ -272,7 +273,9 @@ def load_hf_reference(ckpt_dir: str | Path):
     cfg = hf_config_from_json(raw_cfg)
     model = DeepseekV4ForCausalLM._from_config(cfg, dtype=torch.float32, attn_implementation="eager")
 
-    state = official_to_hf(_dequantized_weights(_open_tensors(ckpt_dir)), cfg.n_routed_experts)
+    if weights is None:
+        weights = _dequantized_weights(_open_tensors(ckpt_dir))
+    state = official_to_hf(weights, cfg.n_routed_experts)
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

@@ -216,7 +216,10 @@ def test_thinking_rule_matches_vllm_reasoning_parser(tokenizer, kwargs, thinking
     ([], {}, "must not be empty"),
     ([user("hi")], {"reasoning_effort": "bogus"}, "reasoning_effort"),
     ([user("hi")], {"reasoning_effort": 3}, "reasoning_effort"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, "text only"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], {}, "part 'input_audio'"),
+    ([user("x"), {"role": "assistant", "tool_calls": [call("k", "f", {})]},
+      {"role": "tool", "tool_call_id": "k", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     "not in tool results"),
     ([{"role": "narrator", "content": "x"}], {}, "no 'narrator' role"),
     ([{"content": "x"}], {}, "needs a role"),
     ([{"role": "developer", "content": ""}], {}, "developer"),
@@ -228,6 +231,36 @@ def test_bad_conversations_are_value_errors(messages, kwargs, match):
     """vLLM answers a ValueError raised while rendering with 400."""
     with pytest.raises(EncodingError, match=match):
         encode_request(messages, None, **kwargs)
+
+
+def test_images_become_placeholders_in_order():
+    """Each image part (OpenAI's ``image_url``, or ``image`` as vLLM's parser hands it over) is the image
+    placeholder where it stands, parts joined by a blank line (docs/VISION.md §10); several per message and
+    per conversation. The pixels travel beside the prompt, matched to placeholders by order."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]},
+                {"role": "assistant", "content": "A cat."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and these?"}, image]}]
+    prompt = encode_request(messages, None, thinking=False)
+    ph = "<｜deepseek_image｜>"
+    assert prompt.count(ph) == 3
+    assert f"<｜User｜>What is in this picture?\n\n{ph}<｜Assistant｜>" in prompt
+    assert f"<｜User｜>{ph}\n\nand these?\n\n{ph}<｜Assistant｜>" in prompt
+
+
+def test_image_parts_are_the_placeholder_token_and_typed_ones_stay_text(tmp_path_factory, make_checkpoint_module):
+    """Through the tokenizer of a Vision checkpoint, each image part is the placeholder token (markup); the
+    placeholder typed into message text is encoded as text, so it cannot stand for an image."""
+    from vllm_dsv4.serving.tokenizer import Dsv4Tokenizer
+
+    ckpt = make_checkpoint_module.make_checkpoint(tmp_path_factory.mktemp("tiny_vision_tok"), "tiny-vision",
+                                                  quantized=False)
+    tok = Dsv4Tokenizer.from_pretrained(str(ckpt))
+    placeholder = tok.convert_tokens_to_ids("<｜deepseek_image｜>")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    typed = {"type": "text", "text": "see <｜deepseek_image｜> here"}
+    ids = tok.apply_chat_template([{"role": "user", "content": [image, typed, image]}], tokenize=True, thinking=False)
+    assert ids.count(placeholder) == 2
 
 
 def test_tokenizer_mode_uses_special_token_ids(tokenizer):

@@ -35,6 +35,8 @@ class StepPlan:
     visible_entries: Memo = field(default_factory=Memo)  # kind -> (num_visible [T], width): compressor.py
     window_entries: Memo = field(default_factory=Memo)  # chunk -> [t, W] window slots of its queries
     c128_entries: Memo = field(default_factory=Memo)  # chunk -> [t, K] every visible C128 entry, then -1
+    # () -> [T, W'] a prefill step's window slots widened inside image blocks (model/image_window.py), or None
+    image_window: Memo = field(default_factory=Memo)
     span_rows: Memo = field(default_factory=Memo)  # (chunk, kind) -> host bounds on a prefill call's key rows
     # (chunk, kind) -> the scratch dict the attention calls of the chunk's layers of that kind share
     # (csrc_triton.paged.CacheSource.plans: their slot lists have the same lengths)

@@ -13,6 +13,8 @@ Dtypes:
 * bf16: embed, head, norms, ``gate.weight``, compressor / indexer-compressor wkv/wgate,
   ``indexer.weights_proj``. fp32: ``attn_sink``, ``ape``, ``gate.bias``, ``hc_*``.
   int64: ``gate.tid2eid`` [vocab, num_experts_per_tok].
+* Vision checkpoints add the tower, aligner and sentinel embeddings (bf16, ``vision_tensors``) and, on
+  every MoE layer, ``gate.bias_vl`` (fp32; on hash layers with an unused ``gate.bias``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from vllm_dsv4.loader.kinds import kind_of, kind_problem
 MAX_REPORTED_PROBLEMS = 10
 
 INDEX_FILE = "model.safetensors.index.json"
+# The learned embeddings of the image sentinel tokens other than IMAGE (whose rows the aligner gives)
+SENTINEL_EMBEDDINGS = ("image_start", "image_pad", "image_newline", "image_end")
 SINGLE_FILE = "model.safetensors"
 
 # safetensors header dtype strings -> torch dtypes.
@@ -181,8 +185,10 @@ def _block(t: _Table, p: str, kind: LayerKind, hash_routed: bool) -> None:
     t.bf16(f"{f}gate.weight", e, d)
     if hash_routed:
         t.add(f"{f}gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), torch.int64)
-    else:
+    if not hash_routed or cfg.vision:  # Vision checkpoints ship an (unused) bias on hash layers too
         t.fp32(f"{f}gate.bias", e)
+    if cfg.vision:
+        t.fp32(f"{f}gate.bias_vl", e)  # the routing bias of image sentinel tokens
     for j in range(e):
         t.expert_linear(f"{f}experts.{j}.w1.weight", inter, d)
         t.expert_linear(f"{f}experts.{j}.w2.weight", d, inter)
@@ -258,9 +264,38 @@ def draft_tensors(cfg: Dsv4Config, k: int) -> dict[str, TensorSpec]:
     return dspark_stage_tensors(cfg, k) if cfg.dspark else mtp_tensors(cfg, k)
 
 
+def vision_tensors(cfg: Dsv4Config) -> dict[str, TensorSpec]:
+    """The vision tower (``vision.*``), the aligner and the four learned sentinel embeddings, all bf16;
+    none for a text-only checkpoint."""
+    v, t = cfg.vision, _Table(cfg)
+    if v is None:
+        return t.specs
+    t.bf16("vision.patch_embed.proj.weight", v.dim, 3 * v.patch_size**2)
+    t.bf16("vision.patch_embed.proj.bias", v.dim)
+    for i in range(v.n_layers):
+        p = f"vision.blocks.{i}."
+        t.bf16(f"{p}norm1.weight", v.dim)
+        t.bf16(f"{p}attn.wqkv.weight", 3 * v.dim, v.dim)
+        t.bf16(f"{p}attn.wqkv.bias", 3 * v.dim)
+        t.bf16(f"{p}attn.wo.weight", v.dim, v.dim)
+        t.bf16(f"{p}attn.wo.bias", v.dim)
+        t.bf16(f"{p}norm2.weight", v.dim)
+        t.bf16(f"{p}mlp.w1.weight", 2 * v.inter_dim, v.dim)
+        t.bf16(f"{p}mlp.w2.weight", v.dim, v.inter_dim)
+    t.bf16("vision.norm.weight", v.dim)
+    t.bf16("aligner.w1.weight", cfg.hidden_size, v.dim * v.downsample_ratio**2)
+    t.bf16("aligner.w1.bias", cfg.hidden_size)
+    t.bf16("aligner.w2.weight", cfg.hidden_size, cfg.hidden_size)
+    t.bf16("aligner.w2.bias", cfg.hidden_size)
+    for name in SENTINEL_EMBEDDINGS:
+        t.bf16(name, cfg.hidden_size)
+    return t.specs
+
+
 def expected_tensors(cfg: Dsv4Config) -> dict[str, TensorSpec]:
     """Every tensor of the official checkpoint, name -> (shape, dtype)."""
     specs = dict(top_level_tensors(cfg))
+    specs.update(vision_tensors(cfg))
     for layer in range(cfg.num_hidden_layers):
         specs.update(layer_tensors(cfg, layer))
     for k in range(cfg.draft_layers):

@@ -6,7 +6,7 @@ A quantised weight is dequantised unless the model holds it quantised: a paramet
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
@@ -93,6 +93,7 @@ def load_official_weights(
     params: dict[str, torch.nn.Parameter],
     shard: Shard = Shard(),
     mtp: bool = False,
+    skip: Collection[str] = (),
 ) -> set[str]:
     """Stream official (name, tensor) pairs into ``params``; returns the parameter names filled.
 
@@ -102,7 +103,8 @@ def load_official_weights(
     MXFP4 weights are held until their ``.scale`` arrives (either order). Every tensor is checked; the main model places all but
     ``mtp.*``, the MTP draft model (``mtp``) only those (vLLM streams it the whole checkpoint). A
     merged linear (names.MERGED) and a stack of experts get each member's rows. Under tensor
-    parallelism each rank keeps its slice.
+    parallelism each rank keeps its slice. Tensors named in ``skip`` are checked, not placed (a Vision
+    checkpoint's tower where images are off).
     """
     expected = expected_tensors(cfg)
     found: dict[str, TensorSpec] = {}
@@ -115,7 +117,7 @@ def load_official_weights(
             continue
         if name.endswith(".scale") and (problem := scale_problem(name, tensor)):
             value_problems.append(problem)
-        if name.startswith("mtp.") != mtp:
+        if name.startswith("mtp.") != mtp or name in skip:
             continue
         if name.endswith(".scale"):
             weight_name = name[: -len(".scale")] + ".weight"

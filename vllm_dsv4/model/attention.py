@@ -15,6 +15,7 @@ from vllm_dsv4.kv.layer import CacheLayer
 from vllm_dsv4.kv.layout import cache_layer_name, fp8_entries, layer_components
 from vllm_dsv4.kv.metadata import CacheStepMetadata
 from vllm_dsv4.model.compressor import Compressor, visible_entries
+from vllm_dsv4.model.image_window import image_blocks, window_entries
 from vllm_dsv4.model.indexer import Indexer
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp32_param
 from vllm_dsv4.shard import Shard
@@ -63,6 +64,8 @@ class Attention(nn.Module):
                  shard: Shard):
         super().__init__()
         self.kind, self.ratio, self.eps = kind, kind.ratio, cfg.rms_norm_eps
+        self.images = cfg.vision is not None  # prefill widens the window inside image blocks
+        self.image_reach = cfg.vision.max_n_token if self.images else 0
         self.head_dim, self.window, self.o_rank = cfg.head_dim, cfg.sliding_window, cfg.o_lora_rank
         self.num_heads = shard.part(cfg.num_attention_heads, "num_attention_heads")
         self.groups = shard.part(cfg.o_groups, "o_groups")
@@ -97,20 +100,20 @@ class Attention(nn.Module):
         self.max_c128_entries = -(-max_model_len // LayerKind.C128.ratio)
         self._attend = compat.eager_break(self._attend_eager)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, D] post-attn_norm -> [T, D]. The projections depend on x only; what reads or writes
-        the step's caches runs in ``_attend``, where a breakable CUDA graph breaks (compat.eager_break):
-        piecewise graphs of mixed and prefill steps capture the rest."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D] post-attn_norm, positions and ids [T] -> [T, D]. The projections depend on x only; what
+        reads or writes the step's caches runs in ``_attend``, where a breakable CUDA graph breaks
+        (compat.eager_break): piecewise graphs of mixed and prefill steps capture the rest."""
         num_tokens = x.shape[0]
         q_latent, kv = self.wqkv_a(x).split([self.q_lora_rank, self.head_dim], dim=-1)
         q_latent = self.q_norm(q_latent)  # [T, q_lora]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         q = ops.norm_rope_tail(q, positions, self.inv_freq, self.eps)  # [T, H, d], per-head norm then RoPE
         o = torch.empty_like(q)
-        self._attend(x, q_latent, q, kv, positions, o)
+        self._attend(x, q_latent, q, kv, positions, input_ids, o)
         return self.wo_b(self.out_proj(o, positions))
 
-    def _attend_eager(self, x, q_latent, q, kv, positions, o) -> None:
+    def _attend_eager(self, x, q_latent, q, kv, positions, input_ids, o) -> None:
         """Insert this step's KV, compress, pick C4 entries and attend: o [T, H, d] written in place
         (zeros in vLLM's profile and dummy runs, which bind no cache, and in rows past the step's
         tokens: a piecewise graph pads the step to its captured size)."""
@@ -119,11 +122,13 @@ class Attention(nn.Module):
         o[num_tokens:].zero_()
         if not num_tokens:
             return
-        x, q_latent, q, kv, positions, o = (t[:num_tokens] for t in (x, q_latent, q, kv, positions, o))
+        x, q_latent, q, kv, positions, input_ids, o = (t[:num_tokens] for t in (x, q_latent, q, kv, positions,
+                                                                                 input_ids, o))
         req = md.token_to_req  # [T], -1 for padding
         self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, req, positions)
         main = picks = None
-        slots = self.window
+        image_window = self._image_window(md, positions, input_ids)
+        slots = self.window if image_window is None else image_window.shape[1]
         if self.kind is not LayerKind.SWA:  # every write of this step lands before any read
             self.compressor(x, positions)
             main = self.main_cache.source(self.main_cache.metadata())
@@ -141,8 +146,9 @@ class Attention(nn.Module):
             plans = md.plan.call_scratch.once((rows.start, rows.stop, self.kind), dict)
             window_rows = main_rows = None
             if not md.decode_only:
+                reach = 0 if image_window is None else image_window.shape[1] - self.window
                 window_rows, main_rows = md.plan.span_rows.once((rows.start, rows.stop, self.kind),
-                                                                lambda: self._span_rows(md, rows))
+                                                                lambda: self._span_rows(md, rows, reach))
             window = self.swa_cache.source(md, plans)._replace(span_rows_bound=window_rows)
             chunk_main, entries = main, None
             if self.kind is LayerKind.C4:
@@ -151,21 +157,24 @@ class Attention(nn.Module):
                 # C128 layers name the same entries (every visible one), so they share what is planned from them.
                 chunk_main = main._replace(plans=plans, span_rows_bound=main_rows)
                 entries = self._every_visible(md, rows, positions)
-            attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window,
-                   self._window(md, rows, positions[rows]), chunk_main, entries, out=o[rows])
+            window_entries = self._window(md, rows, positions[rows]) if image_window is None else image_window[rows]
+            attend(q[rows], self.attn_sink, self.head_dim**-0.5, req[rows], window, window_entries, chunk_main,
+                   entries, out=o[rows])
 
-    def _span_rows(self, md: CacheStepMetadata, rows: slice) -> tuple[int, int | None]:
+    def _span_rows(self, md: CacheStepMetadata, rows: slice, reach: int = 0) -> tuple[int, int | None]:
         """Host bounds on the buffer rows of a prefill call over the queries ``rows`` (``CacheSource.
         span_rows_bound``): a request with n of them, at consecutive positions, names at most
-        n + window - 1 window entries, and at most L // ratio compressed ones at a length of at most L
-        tokens (None where vLLM gives no such lengths)."""
+        n + window - 1 window entries, plus twice ``reach`` where image blocks widen windows (a block cut
+        by the call's rows reaches up to ``reach`` before its first query and after its last), and at
+        most L // ratio compressed ones at a length of at most L tokens (None where vLLM gives no such
+        lengths)."""
         starts, lengths = md.query_starts, md.seq_len_bounds
         counted = self.ratio and lengths is not None
         window_rows = main_rows = 0
         for r in range(len(starts) - 1):
             queries = min(rows.stop, starts[r + 1]) - max(rows.start, starts[r])
             if queries > 0:
-                window_rows += queries + self.window - 1
+                window_rows += queries + self.window - 1 + 2 * reach
                 main_rows += lengths[r] // self.ratio if counted else 0
         return window_rows, main_rows if counted else None
 
@@ -177,6 +186,20 @@ class Attention(nn.Module):
         per_slot = 40 if ops.USE_KERNELS else 4 * self.head_dim
         chunk = max(1, min(QUERY_CHUNK, ATTN_CALL_BYTES // (slots * per_slot)))
         return max(16, chunk // 16 * 16) if ops.USE_KERNELS else chunk
+
+    def _image_window(self, md: CacheStepMetadata, positions, input_ids):
+        """A prefill step's window slots [T, W'] widened inside its image blocks (model/image_window.py),
+        once per step; None without blocks, and in decode steps (never inside one): the plain window."""
+        if not self.images or md.decode_only:
+            return None
+
+        def make():
+            first, last = image_blocks(input_ids, md.token_to_req, positions)
+            if not bool((first >= 0).any()):
+                return None
+            return window_entries(positions, self.window, first, last, reach=self.image_reach)
+
+        return md.plan.image_window.once((), make)
 
     def _window(self, md: CacheStepMetadata, rows: slice, positions):
         """SWA entries [t, W] of the queries ``rows``: the last ``window`` token positions up to each

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vllm_dsv4 import ops
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.model.attention import Attention
 from vllm_dsv4.model.layers import Linear, RMSNorm, fp8_linears, fp32_linear, hold_fp8_linears
 from vllm_dsv4.model.mhc import HyperConnection, HyperHead
@@ -36,7 +36,7 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         x, post, comb = self.hc_attn.pre(streams, self.attn_norm)
-        out = all_reduce(self.attn(x, positions), self.shard)
+        out = all_reduce(self.attn(x, positions, input_ids), self.shard)
         streams = self.hc_attn.post(out, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams, self.ffn_norm)
         out = all_reduce(self.ffn(x, input_ids), self.shard)
@@ -50,9 +50,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     # reference ops, VLLM_DSV4_OPS=reference, nothing would)
     warms_up_kernels = ops.USE_KERNELS
 
-    def __init__(self, *, vllm_config, prefix: str = ""):
+    def __init__(self, *, vllm_config, prefix: str = "", images: bool = False):
+        """``images``: built inside ``DeepseekV4ForConditionalGeneration``, the only way to serve a Vision checkpoint."""
         super().__init__()
         self.cfg = cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
+        if cfg.vision is not None and not images:
+            raise ConfigError("this checkpoint has a vision tower (vision_n_layers > 0): it is served as "
+                              "DeepseekV4ForConditionalGeneration, which the plugin picks for it when registered")
         self.shard = shard = current_shard()  # layers raise ConfigError for dims that do not split
         dtype = vllm_config.model_config.dtype
         fp8 = fp8_linears(cfg, shard)  # empty on the CPU path: every weight dequantised at load

@@ -9,7 +9,7 @@ from torch import nn
 
 from csrc_triton.formats import FP8_BLOCK
 from vllm_dsv4 import ops
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import NUM_SENTINELS, SENTINEL_BASE_ID, Dsv4Config
 from vllm_dsv4.model.layers import Linear, fp32_linear, fp32_param
 from vllm_dsv4.model.parallel import DpGroup, across_dp
 from vllm_dsv4.ops import vllm_kernels
@@ -17,7 +17,10 @@ from vllm_dsv4.shard import Shard
 
 
 class Gate(nn.Module):
-    """Router. Hash layers carry ``tid2eid`` [vocab, k]; score layers a selection ``bias`` [E]."""
+    """Router. Hash layers carry ``tid2eid`` [vocab, k]; score layers a selection ``bias`` [E]. A Vision
+    checkpoint adds ``bias_vl`` [E] to every gate (main layers, hash ones included, and draft stages):
+    image sentinel tokens pick their experts with it instead (docs/VISION.md §7); its hash layers also ship
+    a ``bias``, which routing there does not use."""
 
     def __init__(self, cfg: Dsv4Config, hashed: bool):
         super().__init__()
@@ -26,16 +29,28 @@ class Gate(nn.Module):
             self.tid2eid = nn.Parameter(
                 torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64), requires_grad=False
             )
-        else:
+        if not hashed or cfg.vision:
             self.bias = fp32_param(cfg.n_routed_experts)
+        self.bias_vl = fp32_param(cfg.n_routed_experts) if cfg.vision else None
         self.top_k, self.scaling, self.renorm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor):
-        """x [T, D] -> (weights [T, k] fp32, expert ids [T, k]). Router logits in fp32."""
+        """x [T, D], ids [T] -> (weights [T, k] fp32, expert ids [T, k]). Router logits in fp32."""
         logits = fp32_linear(x, self.weight)  # [T, E]
         if hasattr(self, "tid2eid"):
-            return ops.route(logits, self.top_k, self.scaling, self.renorm, hash_ids=self.tid2eid[input_ids])
-        return ops.route(logits, self.top_k, self.scaling, self.renorm, bias=self.bias)
+            weights, ids = ops.route(logits, self.top_k, self.scaling, self.renorm, hash_ids=self.tid2eid[input_ids])
+        else:
+            weights, ids = ops.route(logits, self.top_k, self.scaling, self.renorm, bias=self.bias)
+        if self.bias_vl is None:
+            return weights, ids
+        return self.route_images(logits, input_ids, weights, ids)
+
+    def route_images(self, logits, input_ids, weights, ids):
+        """Rows of image sentinel tokens (all five kinds) re-routed by top-k over ``scores + bias_vl``,
+        their weights from the unbiased scores as for text; other rows as they are. Branch-free."""
+        image = ((input_ids >= SENTINEL_BASE_ID) & (input_ids < SENTINEL_BASE_ID + NUM_SENTINELS))[:, None]
+        image_weights, image_ids = ops.route(logits, self.top_k, self.scaling, self.renorm, bias=self.bias_vl)
+        return torch.where(image, image_weights, weights), torch.where(image, image_ids.to(ids.dtype), ids)
 
 
 class SharedExpert(nn.Module):

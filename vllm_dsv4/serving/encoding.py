@@ -30,6 +30,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from vllm_dsv4.config import IMAGE_PLACEHOLDER
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -150,24 +152,49 @@ def render_tools(tools: list[dict]) -> str:
     return TOOLS_TEMPLATE.format(dsml=DSML, think_start=THINK_START, think_end=THINK_END, schemas=schemas)
 
 
-def text_of(content: Any) -> str:
-    """Plain text of a message's content: a string, or OpenAI text parts joined by a blank line."""
+IMAGE_PARTS = ("image_url", "image")  # OpenAI's part, and what vLLM's chat parser turns it into
+
+
+def content_parts(content: Any) -> list[tuple[str, str]]:
+    """A message's content as ``(kind, text)`` parts: ``("text", ...)``, or ``("image", "")`` for an image
+    part (its pixels travel beside the prompt, matched to placeholders by order)."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [("text", content)]
     if not isinstance(content, list):
-        raise EncodingError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+        raise EncodingError(f"message content must be a string or a list of parts, got {type(content).__name__}")
     parts = []
     for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append(part.get("text") or "")
+            parts.append(("text", part))
+        elif kind == "text":
+            parts.append(("text", part.get("text") or ""))
+        elif kind in IMAGE_PARTS:
+            parts.append(("image", ""))
         else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise EncodingError(f"DeepSeek-V4 takes text only; unsupported content part {kind!r}")
-    return "\n\n".join(parts)
+            raise EncodingError(f"DeepSeek-V4 takes text and images; unsupported content part {kind!r}")
+    return parts
+
+
+def text_of(content: Any) -> str:
+    """Plain text of a message's content (not a user turn's: images are refused), parts joined by a blank line."""
+    parts = content_parts(content)
+    if any(kind == "image" for kind, _ in parts):
+        raise EncodingError("DeepSeek-V4 takes images in user turns only (not in tool results or other roles)")
+    return "\n\n".join(text for _, text in parts)
+
+
+def write_content(prompt: Prompt, content: Any) -> None:
+    """A user turn's content: text parts as message text, each image part the image placeholder as markup
+    (typed into text, the placeholder stays text), parts joined by a blank line."""
+    for i, (kind, text) in enumerate(content_parts(content)):
+        prompt.text("\n\n" if i else "")
+        if kind == "image":
+            prompt.markup(IMAGE_PLACEHOLDER)
+        else:
+            prompt.text(text)
 
 
 def parse_arguments(arguments: Any) -> dict:
@@ -218,11 +245,11 @@ def merge_tool_messages(messages: list[dict]) -> list[dict]:
             else:
                 merged.append({"role": "user", "content_blocks": [block]})
         elif role == "user":
-            block = {"type": "text", "text": text_of(msg.get("content"))}
+            block = {"type": "text", "content": msg.get("content")}
             if open_user and prev.get("task") is None:
                 prev["content_blocks"].append(block)
             else:
-                new = {"role": "user", "content": block["text"], "content_blocks": [block]}
+                new = {"role": "user", "content": msg.get("content"), "content_blocks": [block]}
                 new.update({k: msg[k] for k in ("task", "wo_eos") if k in msg})
                 merged.append(new)
         else:
@@ -266,12 +293,12 @@ def render_user(prompt: Prompt, msg: dict) -> None:
     prompt.markup(USER)
     blocks = msg.get("content_blocks")
     if not blocks:
-        prompt.text(text_of(msg.get("content")))
+        write_content(prompt, msg.get("content"))
         return
     for i, block in enumerate(blocks):
         prompt.markup("\n\n" if i else "")
         if block["type"] == "text":
-            prompt.text(block["text"])
+            write_content(prompt, block["content"])
         else:
             prompt.markup("<tool_result>")
             prompt.text(text_of(block.get("content")))

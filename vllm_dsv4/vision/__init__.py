@@ -1,0 +1,1 @@
+"""Image input: preprocessing, token layout, vision tower and the multimodal model class."""
