@@ -232,7 +232,15 @@ def write_many(root: str, budget: int, writer: int, count: int) -> None:
 
 
 def stored_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name.endswith((".kv", ".tmp")))
+    """Bytes of the entry and temporary files under ``root`` (writers may remove any meanwhile)."""
+    total = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(directory, name)).st_size if name.endswith((".kv", ".tmp")) else 0
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def test_the_budget_holds_across_processes(tmp_path):
