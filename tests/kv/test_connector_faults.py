@@ -75,8 +75,8 @@ def rank_zero(monkeypatch):
 
 def produce(extra: dict) -> DSV4Connector:
     """A producer's worker that saved PROMPT's entries; its pages are the expected ones."""
-    scheduler, worker = make("kv_producer", KVConnectorRole.SCHEDULER, extra), make("kv_producer", KVConnectorRole.WORKER,
-                                                                                  extra, seed=1)
+    scheduler = make("kv_producer", KVConnectorRole.SCHEDULER, extra)
+    worker = make("kv_producer", KVConnectorRole.WORKER, extra, seed=1)
     keys = PrefixKeys(scheduler.fingerprint, CHUNK)
     saves = scheduler._saves(keys, PROMPT, [256, 512], [len(PROMPT) - 1], block_ids(len(PROMPT)))
     assert len(saves) == 3

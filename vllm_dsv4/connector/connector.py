@@ -273,7 +273,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         if not wanted:
             return []
         stored = self.lookups.call(lambda: [self.store.contains(key) for _, key, _ in wanted], [False] * len(wanted))
-        return [Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)] for group, ids in zip(self.groups, block_ids)])
+        return [Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
+                              for group, ids in zip(self.groups, block_ids)])
                 for (e, key, positions), present in zip(wanted, stored) if not present]
 
     # ------------------------------------------------------------------ worker side
