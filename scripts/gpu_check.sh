@@ -24,6 +24,8 @@
 #                                      # forced drafts (DSpark and MTP), probabilistic drafting's distribution
 #   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
 #                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
+#   scripts/gpu_check.sh harden        # the entry store under faults, pinned loads (vLLM 0.26: no store event may end
+#                                      # the engine), then the short soak (two tiny-model servers, ~3 min)
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh graph-launch  # scripts/bench_graph_launch.py: a CUDA graph launch's host cost per node, by kind
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
@@ -138,6 +140,10 @@ case "${1:-unit}" in
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
+  harden)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_store_faults.py \
+      tests/connector/test_connector_faults.py tests/e2e/test_soak.py > "$LOG_DIR/harden.log" 2>&1
+    summary "$LOG_DIR/harden.log" ;;
   connector)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_plan.py \
       tests/connector/test_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1

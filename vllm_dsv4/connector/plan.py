@@ -141,7 +141,7 @@ class PrefixKeys:
         boundary plus the key's ``<offset>``; None for a name that is not a window entry's (a stray file).
         Whether the entry is of these tokens, only comparing the key with ``window_key(tokens, end)`` says."""
         offset = key.rsplit("/", 1)[-1].split("-", 1)[0]
-        return boundary + int(offset) if offset.isdigit() and len(offset) < 16 else None
+        return boundary + int(offset) if offset.isascii() and offset.isdigit() and len(offset) < 16 else None
 
     def _chain(self, tokens: Sequence[int], chunks: int) -> bytes:
         if not self.chain:
