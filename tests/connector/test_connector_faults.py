@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tests.conftest import load_make_checkpoint
 from vllm_dsv4 import compat
-from vllm_dsv4.config import Dsv4Config
+from vllm_dsv4.config import Dsv4Config, LayerKind
 from vllm_dsv4.connector import connector as connector_module
 from vllm_dsv4.connector.connector import DSV4Connector, DSV4ConnectorMetadata
 from vllm_dsv4.connector.fingerprint import fingerprint
@@ -34,8 +34,8 @@ PROMPT = list(range(1000, 1000 + 700))  # history entries at 256 and 512, the wi
 def kv_cache_groups():
     """Cache layers of one C4 and one C128 layer, grouped as vLLM groups them (block size, window)."""
     members = {}
-    for layer, ratio in ((0, 4), (1, 128)):
-        for name, c in layer_components(CFG, ratio, torch.float32, CHUNK).items():
+    for layer, kind in ((0, LayerKind.C4), (1, LayerKind.C128)):
+        for name, c in layer_components(CFG, kind, torch.float32, CHUNK).items():
             members.setdefault((c.block_tokens, c.window_tokens), []).append(f"model.layers.{layer}.attn.{name}_cache")
     return [SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block, page_size_bytes=PAGE_BYTES),
                             layer_names=names) for (block, _), names in members.items()]
