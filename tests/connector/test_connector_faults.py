@@ -165,6 +165,17 @@ def test_pinned_loads_survive_any_store_event_after_the_lookup(store, how):
     assert not any(pin.exists() for pin in pins)
 
 
+def test_a_request_looked_up_again_keeps_its_pinned_copies(store):
+    """vLLM looks a request it could not schedule up again in the next step: no second copy."""
+    produce(store)
+    scheduler = make("kv_consumer", KVConnectorRole.SCHEDULER, dict(store, pin_loads=True))
+    req = request()
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, True)
+    first = {p: p.stat().st_ino for p in scheduler.pins.root.rglob("*.kv")}
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, True)
+    assert {p: p.stat().st_ino for p in scheduler.pins.root.rglob("*.kv")} == first and len(first) == 3
+
+
 def test_a_pinned_lookup_drops_a_damaged_entry_and_resumes_before_it(store):
     producer = produce(store)
     history = PrefixKeys(producer.fingerprint, CHUNK).history_key(PROMPT, 512)

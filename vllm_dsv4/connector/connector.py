@@ -149,20 +149,28 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         r = self._track(request)
         tokens = list(request.all_token_ids)  # a copy: a lookup that times out may still be reading it
+        pinned = r.pins
         end, r.pins = self.lookups.call(
-            lambda: self._lookup(request.request_id, r.keys, tokens, num_computed_tokens), (num_computed_tokens, {}))
+            lambda: self._lookup(request.request_id, r.keys, tokens, num_computed_tokens, pinned),
+            (num_computed_tokens, {}))
         r.lookup = (num_computed_tokens, end)
         return end - num_computed_tokens, end > num_computed_tokens
 
-    def _lookup(self, request_id: str, keys: PrefixKeys, tokens: list[int], start: int) -> tuple[int, dict[str, str]]:
-        """(the furthest resume point stored, pinned copies of its entries if pins are on)."""
+    def _lookup(self, request_id: str, keys: PrefixKeys, tokens: list[int], start: int,
+                pinned: dict[str, str]) -> tuple[int, dict[str, str]]:
+        """(the furthest resume point stored, pinned copies of its entries if pins are on); ``pinned``: the
+        copies of this request's last lookup, kept if it needs the same entries (a request vLLM could not
+        schedule is looked up again in the next step)."""
         for _ in range(MAX_PIN_RETRIES):
             end = resume_point(start, len(tokens), self.chunk, lambda h: self.store.check(keys.history_key(tokens, h)),
                                lambda boundary: self._window_ends(keys, tokens, boundary))
             if self.pins is None or end == start:
                 return end, {}
             needed = [keys.history_key(tokens, h) for h in history_ends(start, end, self.chunk)]
-            pins = self.pins.pin(request_id, needed + [keys.window_key(tokens, end)])
+            needed.append(keys.window_key(tokens, end))
+            if set(pinned) == set(needed) and all(Path(p).is_file() for p in pinned.values()):
+                return end, pinned
+            pins = self.pins.pin(request_id, needed)
             if isinstance(pins, dict):
                 return end, pins
             self.store.discard(pins)  # damaged: the next try resumes before it
