@@ -235,6 +235,11 @@ BAD_REQUESTS = {  # name: (path, JSON body or raw bytes, text expected in the er
         "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "bad \\ud800 text"}]}',
         "surrogate"),
     "not_json": ("/v1/chat/completions", b'{"model": "tiny", "messages": [', ""),
+    "deeply_nested_history_arguments": ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 50_000 + "]" * 50_000}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "r"}]}, "nest deeper than 64 levels"),
 }
 
 

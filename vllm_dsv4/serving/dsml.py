@@ -91,7 +91,7 @@ def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")  # Python's json would accept NaN and Infinity
 
 
-def _nesting_depth(text: str) -> int:
+def nesting_depth(text: str) -> int:
     """The deepest bracket nesting of JSON ``text`` (brackets inside strings left out)."""
     return max(accumulate(map(_NESTING.get, _JSON_STRING.sub("", text), repeat(0)), initial=0))
 
@@ -328,7 +328,7 @@ class DsmlParser:
 
     def _json_value(self, raw: str) -> str:
         try:
-            if _nesting_depth(raw) > MAX_JSON_DEPTH:
+            if nesting_depth(raw) > MAX_JSON_DEPTH:
                 raise ValueError("nested too deeply")
             return json.dumps(json.loads(raw, parse_constant=_not_json), ensure_ascii=False)
         except ValueError:  # not JSON (or string="true" missing): keep the text as a string
