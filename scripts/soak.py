@@ -268,6 +268,7 @@ class Vandal(threading.Thread):
 
 def soak(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="dsv4-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
     cases = make_cases(args.requests, args.seed)
     with server(args.model, work, "reference", []) as (base, _, _):
         reference = run_cases(base, cases, args.clients)
