@@ -21,6 +21,7 @@ as JSON with ``--json``); exits 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -39,6 +40,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from vllm_dsv4.connector.store import LOCK_FILE, SUFFIX, TEMP_SUFFIX
 
 ENGINE_FLAGS = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4",
                 "--served-model-name", "tiny", "--no-enable-prefix-caching"]
@@ -217,16 +220,20 @@ def rss_bytes(procs: list[psutil.Process]) -> int:
 
 
 def store_bytes(store: Path, planted: set[str]) -> int:
-    """Bytes of the store's entries and temporary files (the vandal's stray files left out)."""
+    """Bytes of the store's entries and temporary files (the vandal's stray files left out), counted under
+    the store's lock: writers reserve and evict only under it, so the count is a state the store was in
+    (without it a walk may count an entry that eviction then removes and the entry written in its place)."""
     total = 0
-    for directory, _, names in os.walk(store):
-        for name in names:
-            path = os.path.join(directory, name)
-            if name.endswith((".kv", ".tmp")) and path not in planted:
-                try:
-                    total += os.stat(path).st_size
-                except FileNotFoundError:
-                    pass
+    with open(store / LOCK_FILE, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for directory, _, names in os.walk(store):
+            for name in names:
+                path = os.path.join(directory, name)
+                if name.endswith((SUFFIX, TEMP_SUFFIX)) and path not in planted:
+                    try:
+                        total += os.stat(path).st_size
+                    except FileNotFoundError:
+                        pass
     return total
 
 
@@ -325,7 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, help="checkpoint directory (scripts/make_checkpoint.py --preset tiny)")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--max-bytes", type=float, default=3e6, help="the store's budget (tiny model: a window entry is 160 kB)")
+    ap.add_argument("--max-bytes", type=float, default=3e6,
+                    help="the store's budget (tiny model: a window entry is 160 kB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle-s", type=float, default=5.0, help="idle seconds before the after-load figures")
     ap.add_argument("--rss-slack", type=float, default=0.05, help="RSS growth allowed after the load (fraction)")

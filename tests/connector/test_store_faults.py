@@ -6,6 +6,7 @@ A refused entry is a lookup miss (``check`` False) or an :class:`EntryError` whe
 exception, or an entry that reads back different bytes, fails these tests."""
 
 import errno
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -233,14 +234,17 @@ def write_many(root: str, budget: int, writer: int, count: int) -> None:
 
 
 def stored_bytes(root: Path) -> int:
-    """Bytes of the entry and temporary files under ``root`` (writers may remove any meanwhile)."""
+    """Bytes of the entry and temporary files under ``root``, counted under the store's lock (unlocked, a
+    walk may count an entry eviction then removes and the one written after it)."""
     total = 0
-    for directory, _, names in os.walk(root):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(directory, name)).st_size if name.endswith((".kv", ".tmp")) else 0
-            except FileNotFoundError:
-                pass
+    with open(root / store_module.LOCK_FILE, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for directory, _, names in os.walk(root):
+            for name in names:
+                try:
+                    total += os.stat(os.path.join(directory, name)).st_size if name.endswith((".kv", ".tmp")) else 0
+                except FileNotFoundError:  # renamed by a writer meanwhile
+                    pass
     return total
 
 

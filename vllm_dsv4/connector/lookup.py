@@ -5,7 +5,7 @@ and waits a bounded time: a store on a mount that hangs costs lookup misses, nev
 while a call still hangs, later ones miss at once instead of queueing behind it.
 
 ``Pins`` keeps private, verified copies of the entries a request will load, made when it is looked
-up. vLLM 0.26 cannot recompute a load that fails in the worker (compat ledger 11), so there a load
+up. vLLM 0.26 cannot recompute a load that fails in the worker (compat ledger 5), so there a load
 must not be able to fail: the worker reads the copy, which no other engine evicts, no writer replaces
 and nobody else can write. Copies live in a 0700 directory of this process (on /dev/shm where there
 is one), removed once the worker has loaded them, when the request ends without loading, and at exit.
