@@ -28,6 +28,8 @@
 #                                      # and two images vs the whole-model reference (tiny-vision, vLLM 0.26)
 #   scripts/gpu_check.sh vision-flash  # Vision-Exp dimensions (4 text layers, the 32-layer tower): tower time per
 #                                      # image (scripts/bench_vision.py), then one image prompt with CUDA graphs
+#   scripts/gpu_check.sh harden        # the entry store under faults, pinned loads (vLLM 0.26: no store event may end
+#                                      # the engine), then the short soak (two tiny-model servers, ~3 min)
 #   scripts/gpu_check.sh piecewise     # chunked prefill replayed from piecewise (breakable) CUDA graphs vs eager
 #   scripts/gpu_check.sh graph-launch  # scripts/bench_graph_launch.py: a CUDA graph launch's host cost per node, by kind
 #   scripts/gpu_check.sh bench-kernels # scripts/bench_kernels.py: each op vs its reference; fused wo_a vs per-group
@@ -155,6 +157,10 @@ case "${1:-unit}" in
   piecewise)
     timeout "$LIMIT" python -m pytest -q -s -p no:cacheprovider -rf --tb=short tests/e2e/test_gpu_path.py \
       -k piecewise > "$LOG_DIR/piecewise.log" 2>&1; summary "$LOG_DIR/piecewise.log" ;;
+  harden)
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_store_faults.py \
+      tests/connector/test_connector_faults.py tests/e2e/test_soak.py > "$LOG_DIR/harden.log" 2>&1
+    summary "$LOG_DIR/harden.log" ;;
   connector)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_plan.py \
       tests/connector/test_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1

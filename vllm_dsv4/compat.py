@@ -20,9 +20,16 @@ are patches.py's (applied by plugin.register()); bindings to vLLM's kernels ops/
 5. Per-request KV load failures (``DSV4Connector``) | none: a worker's ``invalid_block_ids`` make the
    scheduler of a model with several KV-cache groups raise (it unpacks one group) | the worker's
    ``get_transfer_results`` returns ``KVConnectorTransferResults.failed_recving``, which vLLM recomputes
-   or fails by ``kv_load_failure_policy`` | ``reports_failed_loads()``, ``kv_transfer_results()``; on 0.26 a
-   failed load raises naming the entry | 0.26 support ends.
-6. Multimodal processing (``BaseMultiModalProcessor``) | the processor is called with the prompt text
+   or fails by ``kv_load_failure_policy`` | ``reports_failed_loads()``, ``kv_transfer_results()``; on 0.26
+   lookups pin verified copies of the entries they promise (connector/lookup.py, option ``pin_loads``), so
+   no store event fails a load late, and a load that fails anyway raises naming the entry | 0.26 support ends.
+6. Tool-call structural tags (``ToolParser.get_structural_tag``) | ``(request, reasoning)``; a tool that
+   leaves ``strict`` unset gets its schema enforced (xgrammar's default) | ``(request, reasoning,
+   strict_level)`` (``--tool-strict-level``); such a tool is pinned to ``strict: false``, its arguments
+   free, unless the level is ``parameter`` | no adapter: ``serving.tool_parser.Dsv4ToolParser`` forwards
+   whatever keyword arguments vLLM passes and sets ``strict`` on the unset tools of a forced choice, so a
+   forced call follows its schema on both | 0.26 support ends.
+7. Multimodal processing (``BaseMultiModalProcessor``) | the processor is called with the prompt text
    (``_call_hf_processor(prompt, mm_data, mm_kwargs, tok_kwargs)``) and returns its ``input_ids``; for
    images without text it goes through HF's ``ProcessorMixin`` helpers unless the model overrides
    ``_call_hf_processor``, and it asks ``_hf_processor_applies_updates`` | the processor sees images

@@ -11,6 +11,9 @@ VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN), ``model.attention`` (ATTN_QUERY_CHUNK, AT
 ``warmup`` (WARMUP), ``compat`` (BREAKABLE_CUDAGRAPH, read when vLLM's config is checked),
 ``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``vision.processor`` (MAX_IMAGE_MB),
 ``serving.cli`` (PLUGINS), ``plugin`` (TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
+
+The KV connector takes its options from vLLM's ``kv_connector_extra_config``, not from the environment:
+they are listed in ``connector/options.py``.
 """
 
 from __future__ import annotations

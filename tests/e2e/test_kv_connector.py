@@ -3,9 +3,7 @@ and what happens when an entry is damaged. Each engine is its own process (run_v
 engines' outputs are checked against transformers on the whole prompt, so a cache component that was
 not moved, or moved to the wrong block, shows up as different tokens or log-probs."""
 
-import json
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from tests.e2e.test_generate import ENGINE, LOGIT_TOL, MAX_TOKENS, make_prompts, run_vllm, worker_env
 from tests.oracle.hf_oracle import load_hf_reference
+from vllm_dsv4.connector.store import header_of
 
 pytestmark = pytest.mark.e2e
 
@@ -97,10 +96,8 @@ def test_decode_engine_outputs_match_transformers(decoded, reference):
 
 
 def entry_end(path: Path) -> int:
-    """The resume point in an entry file's header (MAGIC, u64 length, JSON)."""
-    data = path.read_bytes()
-    (length,) = struct.unpack_from("<Q", data, 8)
-    return json.loads(data[16 : 16 + length])["end"]
+    """The resume point in an entry file's header."""
+    return header_of(path)["end"]
 
 
 def entry_at(entries: list[Path], end: int) -> Path:
@@ -125,7 +122,7 @@ def test_damaged_entries_are_refused_and_the_engine_keeps_serving(tmp_path, tiny
     result = run_vllm(tmp_path, tiny_ckpt_unquantized, engine, [{"prompts": [LONG, SHORT]}, {"prompts": [LONG]}],
                       "damaged")
     (long_first, short), (long_again,) = result["batches"]
-    assert "checksum mismatch" in result["log"] and "truncated" in result["log"]
+    assert "digest mismatch" in result["log"] and "truncated" in result["log"]
     assert short["num_cached_tokens"] == CHUNK  # its tail was refused at lookup: the window entry before it
     assert_matches_transformers(reference, SHORT, short)
     if policy == "fail":

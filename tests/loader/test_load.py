@@ -141,6 +141,17 @@ def test_base_scales_that_are_not_powers_of_two_are_named(tiny_base_ckpt):
     load_official_weights(cfg, stream(ckpt, replace={name: zero}), empty_params(cfg, ckpt))
 
 
+def test_expert_ids_out_of_range_are_named(quantized):
+    """tid2eid (hash routing) indexes the experts unchecked on the GPU: an id outside [0, E) fails the load."""
+    cfg, ckpt = quantized
+    name = "layers.0.ffn.gate.tid2eid"
+    ids = ckpt.get(name).clone()
+    ids.view(-1)[[0, 5, ids.numel() - 1]] = torch.tensor([-1, cfg.n_routed_experts, 2**40])
+    problem = rf"{name.replace('.', '[.]')}: 3 of {ids.numel()} expert ids are outside \[0, {cfg.n_routed_experts}\)"
+    with pytest.raises(CheckpointError, match=problem):
+        load_official_weights(cfg, stream(ckpt, replace={name: ids}), empty_params(cfg, ckpt))
+
+
 def test_wrong_shape_is_named_with_expectation(quantized):
     cfg, ckpt = quantized
     bad = {"layers.3.attn.attn_sink": torch.zeros(cfg.num_attention_heads + 1)}

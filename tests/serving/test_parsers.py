@@ -21,6 +21,7 @@ TOOLS = [
 ]
 WEATHER = invoke("get_weather", ("city", "true", "Paris"), ("days", "false", "3"))
 WEATHER_CALL = ("get_weather", {"city": "Paris", "days": 3})
+DEEP, SHALLOW = "[" * 5000 + "]" * 5000, "[" * 60 + '"[[[[[[[["' + "]" * 60  # brackets in a string do not nest
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,12 @@ CASES = {  # name: (thinking, model output, expected (reasoning, content, calls)
     "chat_think_tags": (False, "<think>hmm</think>answer", ("hmm", "answer", [])),
     "malformed_json_argument": (True, "x</think>" + block(invoke("add", ("a", "false", "{1,"), ("b", "false", "2"))),
                                 ("x", None, [("add", {"a": "{1,", "b": 2})])),
-    "unknown_tool": (True, "x</think>" + block(invoke("nope", ("q", "true", "v"))),
-                     ("x", None, [("nope", {"q": "v"})])),
+    "undeclared_tool_is_not_returned": (True, "x</think>" + block(invoke("nope", ("q", "true", "v"))),
+                                        ("x", None, [])),
+    "undeclared_between_declared": (False, block(WEATHER, invoke("nope", ("q", "false", "[1]")), WEATHER),
+                                    (None, None, [WEATHER_CALL, WEATHER_CALL])),
+    "json_nested_too_deeply_stays_text": (False, block(invoke("add", ("a", "false", DEEP), ("b", "false", SHALLOW))),
+                                          (None, None, [("add", {"a": DEEP, "b": json.loads(SHALLOW)})])),
     "unicode": (True, "思考</think>答案是" + block(invoke("get_weather", ("city", "true", "杭州"))),
                 ("思考", "答案是", [("get_weather", {"city": "杭州"})])),
     "string_with_markup": (False, block(invoke("get_weather", ("city", "true", f'a<b>"c"\n</{D}invoke>'))),

@@ -5,8 +5,8 @@ store, and CPU (tmpfs) or disk offload of prefixes that outlive the GPU's prefix
     --kv-transfer-config '{"kv_connector": "DSV4Connector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"path": "/dev/shm/dsv4-kv", "max_bytes": 64e9}}'
 
-``kv_producer`` engines save, ``kv_consumer`` engines load, ``kv_both`` do both;
-``window_every`` (tokens, default 8192) spaces the window entries of a prompt (:mod:`.plan`). The
+``kv_producer`` engines save, ``kv_consumer`` engines load, ``kv_both`` do both; the other options
+are listed in :mod:`.options` (``window_every`` spaces the window entries of a prompt, :mod:`.plan`). The
 scheduler side decides from the token ids which entries a step completes (:func:`.plan.save_ends`) and
 where a new request can resume (:func:`.plan.resume_point`); the worker side copies whole cache
 pages of every group by block id: no per-layer hooks, which DeepSeek-V4's own attention never calls.
@@ -16,13 +16,15 @@ until the worker reports them written). Loads are asynchronous in vLLM's sense (
 them) because that is where vLLM takes per-request load failures for models with several KV-cache
 groups: an entry that is missing or fails its checksum when the worker reads it fails that request's
 load, which vLLM then recomputes or fails (``kv_load_failure_policy``) while serving the others.
+Where vLLM cannot do that (0.26), lookups pin verified copies of the entries instead (:mod:`.lookup`),
+so that no store event (an entry evicted, replaced or damaged by another engine) fails a load late.
+The scheduler's store I/O runs with a time bound, so that a hung store only costs misses.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,13 +50,15 @@ from vllm_dsv4.connector.plan import (
     save_ends,
     window_positions,
 )
-from vllm_dsv4.connector.store import EntryError, EntryStore
+from vllm_dsv4.connector.fingerprint import FORMAT, fingerprint
+from vllm_dsv4.connector.lookup import BoundedCalls, Pins
+from vllm_dsv4.connector.options import Options
+from vllm_dsv4.connector.store import Access, EntryError, EntryStore, UnsafeStoreError, read_entry
 from vllm_dsv4.kv.layout import component_of_layer
 
 logger = get_logger(__name__)
 
-FORMAT = 1
-DEFAULT_WINDOW_EVERY = 8192  # tokens between the window entries of a prompt (module plan.py)
+MAX_PIN_RETRIES = 4  # lookups redone after a damaged entry is dropped, before the request just misses
 NULL_BLOCK = 0  # vLLM's placeholder block id (window blocks out of the window); never read or written
 
 
@@ -71,11 +75,13 @@ class Save:
 
 @dataclass
 class Load:
-    """One entry to read into a request: per group, (offset within the entry's pages, destination block)."""
+    """One entry to read into a request: per group, (offset within the entry's pages, destination block);
+    ``pin``: the file of its verified copy (:class:`.lookup.Pins`), None to read the store."""
 
     end: int
     key: str
     copies: list[list[tuple[int, int]]]
+    pin: str | None = None
 
 
 @dataclass
@@ -92,33 +98,7 @@ class _Request:
     keys: PrefixKeys
     block_ids: list[list[int]] = field(default_factory=list)
     lookup: tuple[int, int] | None = None  # (tokens it had, tokens after the load) of its last lookup
-
-
-@dataclass(frozen=True)
-class Options:
-    """``kv_connector_extra_config``."""
-
-    path: str  # the entry store's directory
-    max_bytes: int | None = None  # the store's budget; least recently used entries go past it
-    window_every: int = DEFAULT_WINDOW_EVERY  # tokens between a prompt's window entries
-    model_key: str | None = None  # names the model in keys instead of its path
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any]) -> "Options":
-        known = set(cls.__dataclass_fields__)
-        if "path" not in extra or set(extra) - known:
-            unknown = sorted(set(extra) - known)
-            raise ConfigError(f"DSV4Connector: kv_connector_extra_config takes {sorted(known)} ('path' required: "
-                              f"a tmpfs such as /dev/shm/... for CPU memory, or a disk or shared directory)"
-                              + (f"; unknown: {unknown}" if unknown else ""))
-        try:
-            max_bytes = int(float(extra["max_bytes"])) if extra.get("max_bytes") is not None else None
-            window_every = int(extra.get("window_every", DEFAULT_WINDOW_EVERY))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"DSV4Connector: max_bytes and window_every are numbers ({e})") from e
-        if (max_bytes is not None and max_bytes <= 0) or window_every <= 0:
-            raise ConfigError(f"DSV4Connector: max_bytes={max_bytes} and window_every={window_every} must be > 0")
-        return cls(str(extra["path"]), max_bytes, window_every, extra.get("model_key"))
+    pins: dict[str, str] = field(default_factory=dict)  # key -> pinned copy, for the last lookup's entries
 
 
 class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
@@ -129,9 +109,12 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         options = Options.parse(transfer.kv_connector_extra_config or {})
         try:
-            self.store = EntryStore(options.path, options.max_bytes)
-        except OSError as e:
+            self.store = EntryStore(options.path, options.max_bytes, options.secret, Access(options.group))
+        except (OSError, UnsafeStoreError) as e:
             raise ConfigError(f"DSV4Connector: cannot use {options.path!r} as the entry store ({e})") from e
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info("DSV4Connector: entry store %s, budget %.3g GB%s", options.path, self.store.max_bytes / 1e9,
+                        "" if options.max_bytes else " (half its filesystem's free space; set max_bytes to choose)")
         self.saves, self.loads = transfer.is_kv_producer, transfer.is_kv_consumer
         cfg = Dsv4Config.from_hf_config(vllm_config.model_config.hf_config)
         self.groups = [
@@ -144,8 +127,12 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         if self.window_every % self.chunk:
             raise ConfigError(f"DSV4Connector: window_every={self.window_every} must be a multiple of "
                               f"{self.chunk} tokens (the KV-cache block)")
-        self.fingerprint = _fingerprint(vllm_config, kv_cache_config, options.model_key)
+        self.fingerprint = fingerprint(vllm_config, kv_cache_config, options.model_key, options.secret)
         # scheduler side
+        self.lookups = BoundedCalls(options.lookup_timeout_s)
+        pin = options.pin_loads if options.pin_loads is not None else not compat.reports_failed_loads()
+        self.pins = Pins(self.store) if pin and self.loads and role == KVConnectorRole.SCHEDULER else None
+        self._awaiting_load: set[str] = set()  # requests whose loads went to the workers
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, list[Load]] = {}
         self._finish_saves: list[Save] = []
@@ -161,18 +148,41 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         if not self.loads or num_computed_tokens % self.chunk:
             return 0, False
         r = self._track(request)
-        tokens = request.all_token_ids
-
-        def window_ends(boundary: int):
-            for name in self.store.list(r.keys.window_dir(tokens, boundary)):
-                end = PrefixKeys.window_end(boundary, name)  # the key's hash must be of this request's tokens
-                if end <= len(tokens) and r.keys.window_key(tokens, end) == name and self.store.check(name):
-                    yield end
-
-        end = resume_point(num_computed_tokens, request.num_tokens, self.chunk,
-                           lambda h: self.store.check(r.keys.history_key(tokens, h)), window_ends)
+        tokens = list(request.all_token_ids)  # a copy: a lookup that times out may still be reading it
+        pinned = r.pins
+        end, r.pins = self.lookups.call(
+            lambda: self._lookup(request.request_id, r.keys, tokens, num_computed_tokens, pinned),
+            (num_computed_tokens, {}))
         r.lookup = (num_computed_tokens, end)
         return end - num_computed_tokens, end > num_computed_tokens
+
+    def _lookup(self, request_id: str, keys: PrefixKeys, tokens: list[int], start: int,
+                pinned: dict[str, str]) -> tuple[int, dict[str, str]]:
+        """(the furthest resume point stored, pinned copies of its entries if pins are on); ``pinned``: the
+        copies of this request's last lookup, kept if it needs the same entries (a request vLLM could not
+        schedule is looked up again in the next step)."""
+        for _ in range(MAX_PIN_RETRIES):
+            end = resume_point(start, len(tokens), self.chunk, lambda h: self.store.check(keys.history_key(tokens, h)),
+                               lambda boundary: self._window_ends(keys, tokens, boundary))
+            if self.pins is None or end == start:
+                return end, {}
+            needed = [keys.history_key(tokens, h) for h in history_ends(start, end, self.chunk)]
+            needed.append(keys.window_key(tokens, end))
+            if set(pinned) == set(needed) and all(Path(p).is_file() for p in pinned.values()):
+                return end, pinned
+            pins = self.pins.pin(request_id, needed)
+            if isinstance(pins, dict):
+                return end, pins
+            self.store.discard(pins)  # damaged: the next try resumes before it
+        return start, {}
+
+    def _window_ends(self, keys: PrefixKeys, tokens: list[int], boundary: int):
+        """Ends of the stored window entries of ``tokens`` listed under ``boundary``."""
+        for name in self.store.list(keys.window_dir(tokens, boundary)):
+            end = PrefixKeys.window_end(boundary, name)  # the key's hash must be of these tokens
+            if end is not None and end <= len(tokens) and keys.window_key(tokens, end) == name \
+                    and self.store.check(name):
+                yield end
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         r = self._track(request)
@@ -188,19 +198,22 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.all_token_ids
         loads = []
         for h in history_ends(start, end, self.chunk):
-            loads.append(Load(h, r.keys.history_key(tokens, h), [
+            key = r.keys.history_key(tokens, h)
+            loads.append(Load(h, key, [
                 [(i, group_ids[p]) for i, p in enumerate(history_positions(group, h, self.chunk))]
-                for group, group_ids in zip(self.groups, ids)]))
+                for group, group_ids in zip(self.groups, ids)], r.pins.get(key)))
         copies = []
         for group, group_ids in zip(self.groups, ids):
             first = window_positions(group, end, self.chunk).start
             copies.append([(p - first, group_ids[p]) for p in loaded_window_positions(group, start, end, self.chunk)
                            if group_ids[p] != NULL_BLOCK])
-        loads.append(Load(end, r.keys.window_key(tokens, end), copies))
+        key = r.keys.window_key(tokens, end)
+        loads.append(Load(end, key, copies, r.pins.get(key)))
         self._pending_loads[request.request_id] = loads
 
     def build_connector_meta(self, scheduler_output) -> DSV4ConnectorMetadata:
         meta = DSV4ConnectorMetadata(saves=self._finish_saves, loads=self._pending_loads)
+        self._awaiting_load |= set(self._pending_loads)
         self._pending_loads, self._finish_saves = {}, []
         if not self.saves:
             return meta
@@ -228,6 +241,8 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         """Prompt entries were written in the steps that computed them; what the request generated is
         written in the next step, vLLM holding its blocks until then."""
         r = self._requests.pop(request.request_id, None)
+        if self.pins is not None and request.request_id not in self._awaiting_load:
+            self.pins.release(request.request_id)  # else once the workers report the load
         if not self.saves or r is None:
             return False, None
         computed = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
@@ -238,6 +253,13 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         saves[-1].releases = request.request_id
         self._finish_saves += saves
         return True, None
+
+    def update_connector_output(self, connector_output) -> None:
+        """Drops the pinned copies of the requests the workers have loaded."""
+        for req_id in connector_output.finished_recving or ():
+            self._awaiting_load.discard(req_id)
+            if self.pins is not None:
+                self.pins.release(req_id)
 
     def _track(self, request) -> _Request:
         r = self._requests.get(request.request_id)
@@ -252,16 +274,16 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
 
     def _saves(self, keys: PrefixKeys, tokens, history: list[int], windows: list[int],
                block_ids: list[list[int]]) -> list[Save]:
-        """The entries not yet stored among the history and window entries at these ends."""
-        saves = []
-        for ends, key_of, positions in ((history, keys.history_key, history_positions),
-                                        (windows, keys.window_key, window_positions)):
-            for e in ends:
-                key = key_of(tokens, e)
-                if not self.store.contains(key):
-                    saves.append(Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
-                                               for group, ids in zip(self.groups, block_ids)]))
-        return saves
+        """The entries not yet stored among the history and window entries at these ends (all of them
+        if the store does not say in time)."""
+        wanted = [(e, key_of(tokens, e), positions) for ends, key_of, positions in (
+            (history, keys.history_key, history_positions), (windows, keys.window_key, window_positions)) for e in ends]
+        if not wanted:
+            return []
+        stored = self.lookups.call(lambda: [self.store.contains(key) for _, key, _ in wanted], [False] * len(wanted))
+        return [Save(e, key, [[ids[p] for p in positions(group, e, self.chunk)]
+                              for group, ids in zip(self.groups, block_ids)])
+                for (e, key, positions), present in zip(wanted, stored) if not present]
 
     # ------------------------------------------------------------------ worker side
 
@@ -332,47 +354,46 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
         self.store.write(save.key, header, parts)
 
     def _load(self, load: Load) -> None:
+        path = Path(load.pin) if load.pin else self.store.path(load.key)
         try:
-            self._copy_in(load, *self.store.read(load.key))
-        except (EntryError, KeyError, TypeError, ValueError, RuntimeError) as e:
-            self.store.discard(load.key)  # computed and saved again by the request that now recomputes it
-            if isinstance(e, EntryError):
-                raise
-            raise EntryError(f"KV entry {self.store.path(load.key)} does not match its header ({e!r})") from e
+            header, payload = read_entry(path, self.store.secret) if load.pin else self.store.read(load.key)
+            self._check_layout(path, load, header, payload.nbytes)
+        except EntryError:
+            if not load.pin:
+                self.store.discard(load.key)  # computed and saved again by the request that now recomputes it
+            raise
+        self._copy_in(load, header, payload)
+
+    def _check_layout(self, path: Path, load: Load, header: dict, payload_bytes: int) -> None:
+        """EntryError unless ``header`` describes pages of this model's cache for ``load``'s resume point,
+        as many bytes as the payload holds, and every page ``load`` copies."""
+        if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint.hex():
+            raise EntryError(f"KV entry {path} was written for another model, cache layout or secret")
+        groups = header.get("groups")
+        if header.get("end") != load.end or not isinstance(groups, list) or len(groups) != len(self.groups):
+            raise EntryError(f"KV entry {path} holds another resume point")
+        total = 0
+        for group, stored, copies in zip(self.groups, groups, load.copies):
+            pages = [self._pages[name].shape[1] for name in group.layers]
+            blocks = stored.get("blocks") if isinstance(stored, dict) else None
+            if stored != {"blocks": blocks, "layers": list(group.layers), "page_bytes": pages} \
+                    or type(blocks) is not int or any(not 0 <= s < blocks for s, _ in copies):
+                raise EntryError(f"KV entry {path}: its pages do not fit this cache")
+            total += blocks * sum(pages)
+        if total != payload_bytes:
+            raise EntryError(f"KV entry {path}: {payload_bytes} payload bytes for {total} bytes of pages")
 
     def _copy_in(self, load: Load, header: dict, payload: memoryview) -> None:
-        if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint.hex():
-            raise EntryError(f"KV entry {self.store.path(load.key)} was written for another model or cache layout")
-        if header["end"] != load.end or len(header["groups"]) != len(self.groups):
-            raise EntryError(f"KV entry {self.store.path(load.key)} holds another resume point")
+        """Copies the pages ``load`` names from a checked entry into the cache."""
         data = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
         data = data.to(next(iter(self._pages.values())).device)  # one host-to-device copy per entry
         offset = 0
         for group, stored, copies in zip(self.groups, header["groups"], load.copies):
-            if stored["layers"] != list(group.layers):
-                raise EntryError(f"KV entry {self.store.path(load.key)} has other cache layers")
             src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=data.device)
             dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=data.device)
             for name, page_bytes in zip(group.layers, stored["page_bytes"]):
-                pages = self._pages[name]
                 size = stored["blocks"] * page_bytes
-                if page_bytes != pages.shape[1] or (copies and max(s for s, _ in copies) >= stored["blocks"]):
-                    raise EntryError(f"KV entry {self.store.path(load.key)}: pages of {name} do not fit this cache")
                 if copies:
-                    block = data[offset:offset + size].view(stored["blocks"], page_bytes)
-                    pages[dst] = block[src]
+                    self._pages[name][dst] = data[offset:offset + size].view(stored["blocks"], page_bytes)[src]
                 offset += size
 
-
-def _fingerprint(vllm_config, kv_cache_config, model_key: str | None) -> bytes:
-    """What makes two engines' entries interchangeable: the model, its dtype and every cache layer's page."""
-    model_config = vllm_config.model_config
-    description = {
-        "format": FORMAT,
-        "model": model_key or model_config.model,
-        "dtype": str(model_config.dtype),
-        "cache_dtype": vllm_config.cache_config.cache_dtype,
-        "groups": [[g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes, list(g.layer_names)]
-                   for g in kv_cache_config.kv_cache_groups],
-    }
-    return hashlib.blake2b(json.dumps(description, sort_keys=True).encode(), digest_size=16).digest()

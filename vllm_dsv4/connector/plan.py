@@ -136,11 +136,12 @@ class PrefixKeys:
         return f"{base.hex()}/{offset}-{_hash(base + b'window', tokens[whole * self.chunk:end]).hex()}"
 
     @staticmethod
-    def window_end(boundary: int, key: str) -> int:
+    def window_end(boundary: int, key: str) -> int | None:
         """The resume point of a window entry's ``key`` listed in ``window_dir(tokens, boundary)``: the
-        boundary plus the key's ``<offset>``. Whether the entry is of these tokens, only comparing the
-        key with ``window_key(tokens, end)`` says."""
-        return boundary + int(key.rsplit("/", 1)[1].split("-", 1)[0])
+        boundary plus the key's ``<offset>``; None for a name that is not a window entry's (a stray file).
+        Whether the entry is of these tokens, only comparing the key with ``window_key(tokens, end)`` says."""
+        offset = key.rsplit("/", 1)[-1].split("-", 1)[0]
+        return boundary + int(offset) if offset.isascii() and offset.isdigit() and len(offset) < 16 else None
 
     def _chain(self, tokens: Sequence[int], chunks: int) -> bytes:
         if not self.chain:

@@ -519,9 +519,25 @@ def scale_problem(name: str, scale: torch.Tensor) -> str | None:
     return f"{name}: {bad} of {scale.numel()} block scales are {what}" if bad else None
 
 
+def expert_ids_out_of_range(name: str, ids: torch.Tensor, num_experts: int) -> str | None:
+    """The problem with a hash-routing table (``gate.tid2eid``) naming an expert that does not exist:
+    its ids index the experts' weights on the device, unchecked."""
+    bad = int(((ids < 0) | (ids >= num_experts)).sum())
+    return f"{name}: {bad} of {ids.numel()} expert ids are outside [0, {num_experts})" if bad else None
+
+
+def value_problem(cfg: Dsv4Config, name: str, tensor: torch.Tensor) -> str | None:
+    """What is wrong with the values of a tensor of the right name, shape and dtype; None if nothing."""
+    if name.endswith(".scale"):
+        return scale_problem(name, tensor)
+    if name.endswith(".gate.tid2eid"):
+        return expert_ids_out_of_range(name, tensor, cfg.n_routed_experts)
+    return None
+
+
 def validate(cfg: Dsv4Config, ckpt: Checkpoint | dict[str, TensorSpec], value_problems: Sequence[str] = ()) -> None:
     """Raise CheckpointError listing (up to 10) missing / extra / mis-shaped / mis-typed tensors, and
-    ``value_problems`` found while reading them (``scale_problem``); first, tensors of another checkpoint
+    ``value_problems`` found while reading them (``value_problem``); first, tensors of another checkpoint
     kind than config.json names (``kinds.kind_problem``)."""
     found = ckpt.specs() if isinstance(ckpt, Checkpoint) else dict(ckpt)
     problems = [p for p in [kind_problem(cfg, found)] if p] + _problems(cfg, found) + list(value_problems)

@@ -13,7 +13,7 @@ import torch
 from csrc_triton.formats import FP8_BLOCK, e8m0_to_float32
 from vllm_dsv4.config import Dsv4Config
 from vllm_dsv4.loader.checkpoint import (
-    CheckpointError, TensorSpec, expected_tensors, scale_name, scale_problem, validate,
+    CheckpointError, TensorSpec, expected_tensors, scale_name, validate, value_problem,
 )
 from vllm_dsv4.loader.dequant import dequant_fp8_block, dequant_mxfp4
 from vllm_dsv4.loader.names import Target, param_target, sharded_dim
@@ -99,7 +99,7 @@ def load_official_weights(
 
     A tensor that does not match the official table (loader/checkpoint.py) is not placed; once the
     stream ends, ``validate`` raises one CheckpointError naming every such tensor, every missing
-    one, and every block-scale tensor holding values the format forbids (``scale_problem``). FP8 /
+    one, and every block-scale or hash-routing tensor holding values the format forbids (``value_problem``). FP8 /
     MXFP4 weights are held until their ``.scale`` arrives (either order). Every tensor is checked; the main model places all but
     ``mtp.*``, the MTP draft model (``mtp``) only those (vLLM streams it the whole checkpoint). A
     merged linear (names.MERGED) and a stack of experts get each member's rows. Under tensor
@@ -115,7 +115,7 @@ def load_official_weights(
         found[name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
         if expected.get(name) != found[name]:
             continue
-        if name.endswith(".scale") and (problem := scale_problem(name, tensor)):
+        if problem := value_problem(cfg, name, tensor):
             value_problems.append(problem)
         if name.startswith("mtp.") != mtp or name in skip:
             continue

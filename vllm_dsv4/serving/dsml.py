@@ -19,7 +19,10 @@ chunking. Guarantees, for any chunking and any cut-off point:
 - a call appears only once its name is complete; its arguments are valid JSON when the output ends
   (an open string value is closed, an unfinished non-string value dropped); ``complete`` says whether
   ``</｜DSML｜invoke>`` was reached;
-- a ``string="false"`` value that is not JSON (the model's mistake) becomes a JSON string.
+- a ``string="false"`` value that is not JSON (the model's mistake), or JSON nested deeper than
+  ``MAX_JSON_DEPTH``, becomes a JSON string;
+- given the request's tool names, a call to any other name is parsed but not returned (``undeclared``
+  lists it): the model may only call what the request offers.
 
 No vLLM imports; ``tool_parser.py`` adapts it to vLLM's parser interfaces.
 """
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 
 DSML = "｜DSML｜"
 MARK = "<" + DSML
@@ -39,6 +44,9 @@ INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAM_OPEN = f"<{DSML}parameter"
 PARAM_CLOSE = f"</{DSML}parameter>"
 MAX_NAME_CHARS = 256
+MAX_JSON_DEPTH = 64  # deeper values stay text: Python's json recurses per level
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
 _NAME_STOP = re.compile(r'["\n<]')
 _PARAM_HEAD = re.compile(r'\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*')
 
@@ -83,6 +91,11 @@ def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")  # Python's json would accept NaN and Infinity
 
 
+def nesting_depth(text: str) -> int:
+    """The deepest bracket nesting of JSON ``text`` (brackets inside strings left out)."""
+    return max(accumulate(map(_NESTING.get, _JSON_STRING.sub("", text), repeat(0)), initial=0))
+
+
 def _partial_suffix(buf: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``tags``."""
     for n in range(min(len(buf), max(map(len, tags)) - 1), 0, -1):
@@ -102,9 +115,13 @@ def _starts(buf: str, tags: tuple[str, ...]) -> str | None | bool:
 class DsmlParser:
     """Feed the answer text (after ``</think>``) in chunks; read ``calls`` and the deltas."""
 
-    def __init__(self, parse_think: bool = True) -> None:
+    def __init__(self, parse_think: bool = True, declared: Iterable[str] | None = None) -> None:
         """``parse_think``: route ``<think>...</think>`` in the answer to reasoning (off when the server
-        has no reasoning parser: the markup is then content, as vLLM does)."""
+        has no reasoning parser: the markup is then content, as vLLM does). ``declared``: the tool
+        names the request offers (None: any name is returned)."""
+        self.declared = None if declared is None else frozenset(declared)
+        self.undeclared: list[str] = []  # names of calls parsed but not returned
+        self.current: Call | None = None  # the call being read (in ``calls`` unless undeclared)
         self.text_tags = BLOCK_OPEN + (INVOKE_OPEN,) + ((THINK_START, THINK_END) if parse_think else ())
         self.state = TEXT
         self.buf = ""  # text not yet consumed
@@ -210,11 +227,14 @@ class DsmlParser:
         if not name:
             self.state = BLOCK
             return True
-        self.calls.append(Call(name))
-        index = len(self.calls) - 1
-        out.names[index] = name
-        out.add_args(index, "{")
+        self.current = Call(name)
         self.state = INVOKE
+        if self.declared is not None and name not in self.declared:
+            self.undeclared.append(name)
+            return True
+        self.calls.append(self.current)
+        out.names[len(self.calls) - 1] = name
+        out.add_args(len(self.calls) - 1, "{")
         return True
 
     def _in_invoke(self, out: Delta) -> bool:
@@ -302,20 +322,23 @@ class DsmlParser:
         return tag
 
     def _param_prefix(self) -> str:
-        call = self.calls[-1]
+        call = self.current
         call.num_params += 1
         return ("" if call.num_params == 1 else ", ") + f"{self.key}: "
 
     def _json_value(self, raw: str) -> str:
         try:
+            if nesting_depth(raw) > MAX_JSON_DEPTH:
+                raise ValueError("nested too deeply")
             return json.dumps(json.loads(raw, parse_constant=_not_json), ensure_ascii=False)
         except ValueError:  # not JSON (or string="true" missing): keep the text as a string
             return json.dumps(raw, ensure_ascii=False)
 
     def _emit(self, out: Delta, text: str) -> None:
-        self.calls[-1].arguments += text
-        out.add_args(len(self.calls) - 1, text)
+        self.current.arguments += text
+        if self.calls and self.current is self.calls[-1]:
+            out.add_args(len(self.calls) - 1, text)
 
     def _close_call(self, out: Delta, complete: bool) -> None:
         self._emit(out, "}")
-        self.calls[-1].complete = complete
+        self.current.complete = complete

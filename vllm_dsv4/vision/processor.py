@@ -167,7 +167,7 @@ class ImageDummyInputs(BaseDummyInputsBuilder[ImageProcessingInfo]):
 class ImageMultiModalProcessor(BaseMultiModalProcessor[ImageProcessingInfo]):
     def _call_hf_processor(self, *args, **kwargs) -> BatchFeature:
         # As vLLM's own; overriding it makes vLLM 0.26 call ImageProcessor with text rather than through
-        # HF's ProcessorMixin helpers, which ImageProcessor is not (compat.py adapter 6)
+        # HF's ProcessorMixin helpers, which ImageProcessor is not (compat.py adapter 7)
         return super()._call_hf_processor(*args, **kwargs)
 
     def _hf_processor_applies_updates(self, *args, **kwargs) -> bool:
