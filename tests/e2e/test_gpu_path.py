@@ -65,6 +65,9 @@ GRAPH_TOKENS = 128  # decode steps of the CUDA-graph comparisons (each replays e
 NOISE_PER_LAYER, DECISIVE_NATS, DECISIVE_TOP1_MIN = 0.06, 0.5, 0.99
 PROMPTS = make_prompts(PROMPT_LENS, seed=3)
 FLASH_TOP_K = 64
+# At V4-Flash dims the indexer keeps index_topk = 512 C4 entries: only past 4 x 512 = 2,048 tokens does it
+# select, so two of the prompts there are longer (with their 512 generated tokens, up to 4,512 positions).
+FLASH_PROMPT_LENS = PROMPT_LENS[:-2] + (3000, 4000)
 # FP8 KV on both paths (the same codec, the KV the model was trained to see); on Hopper the GPU path's
 # attention then runs FlashMLA's sparse kernel on those caches.
 ENGINE = dict(max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=4096, gpu_memory_utilization=0.3,
@@ -345,12 +348,12 @@ def _flash_dims(tmp_path_factory, make_checkpoint_module, preset: str, env: str,
 @pytest.mark.parametrize("checkpoint", ["flash_ckpt", "flash_base_ckpt"])
 def test_flash_dims_gpu_path_matches_reference_path(request, tmp_path_factory, checkpoint):
     """The same comparison at V4-Flash layer dimensions (64 heads of 512, 129k vocabulary, 256 experts,
-    top-512 indexer) on top-FLASH_TOP_K log-probs (the full vocabulary would be 16 x 512 x 129k values),
+    top-512 indexer, selecting in the two prompts past 2,048 tokens) on top-FLASH_TOP_K log-probs (the full vocabulary would be 16 x 512 x 129k values),
     with the module doc's criteria for the checkpoint's layers and top-k rows; in the release format
     (MXFP4 experts) and in V4-Flash-Base's (FP8 experts on our FP8 MoE)."""
     flash_ckpt = request.getfixturevalue(checkpoint)
-    prompts = make_prompts(PROMPT_LENS, seed=4, vocab=100_000)
-    engine = dict(ENGINE, gpu_memory_utilization=0.6)
+    prompts = make_prompts(FLASH_PROMPT_LENS, seed=4, vocab=100_000)
+    engine = dict(ENGINE, gpu_memory_utilization=0.6, max_model_len=8192, max_num_batched_tokens=8192)
     batches = [{"prompts": prompts, "logprobs": FLASH_TOP_K, "prompt_logprobs": False},
                {"prompts": prompts, "extend_with_batch": 0, "logprobs": FLASH_TOP_K, "score_last": NEW_TOKENS}]
     gpu = run_vllm(tmp_path_factory.mktemp("flash_gpu"), flash_ckpt, dict(engine, dtype="bfloat16"), batches,
