@@ -79,3 +79,34 @@ def test_spec_adapters_state_tokens_per_entry_and_window():
     assert window.page_size_bytes == 64 * 512 * 2 and window.sliding_window == 128
     field = "compress_ratio" if compat.is_vllm_026() else "tokens_per_state"
     assert getattr(compressed, field) == 4
+
+
+def kv_transfer(connector: str, *children: str):
+    from vllm.config import KVTransferConfig
+
+    extra = {"connectors": [{"kv_connector": c, "kv_role": "kv_both"} for c in children]} if children else {}
+    return KVTransferConfig(kv_connector=connector, kv_role="kv_both", kv_connector_extra_config=extra)
+
+
+def test_vllms_own_pull_nixl_connector_is_refused_where_it_reads_pages_at_the_wrong_length(monkeypatch):
+    import pytest
+
+    from vllm_dsv4.config import ConfigError
+
+    for config in (kv_transfer("NixlConnector"), kv_transfer("NixlPullConnector"),
+                   kv_transfer("MultiConnector", "DSV4Connector", "NixlConnector")):
+        with pytest.raises(ConfigError, match="DSV4NixlConnector"):
+            compat.refuse_address_keyed_nixl(config)
+    for config in (None, kv_transfer("DSV4NixlConnector"), kv_transfer("MultiConnector", "DSV4NixlConnector")):
+        compat.refuse_address_keyed_nixl(config)
+    monkeypatch.setattr(compat, "is_vllm_026", lambda: True)  # whole rows there: vLLM's own is right
+    compat.refuse_address_keyed_nixl(kv_transfer("NixlConnector"))
+
+
+def test_the_plugin_registers_its_nixl_connector():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_dsv4.connector.nixl import DSV4NixlConnector
+
+    plugin.register()
+    assert KVConnectorFactory.get_connector_class(kv_transfer("DSV4NixlConnector")) is DSV4NixlConnector

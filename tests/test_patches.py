@@ -61,11 +61,28 @@ def test_config_hook_keeps_prefix_caching_fixes_block_size_and_picks_graph_modes
     hook = MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"]
     compilation = CompilationConfig() if asked is None else CompilationConfig(cudagraph_mode=asked)
     cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=16),
-                          compilation_config=compilation, speculative_config=None)
+                          compilation_config=compilation, speculative_config=None, kv_transfer_config=None)
     hook.verify_and_update_config(cfg)
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.cache_config.block_size == 256  # 16 cannot hold a C128 entry
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[resolved]
+
+
+@pytest.mark.skipif(compat.is_vllm_026(), reason="vLLM 0.26's own NIXL connector moves whole rows: nothing refused")
+def test_config_hook_refuses_vllms_own_pull_nixl_connector():
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, KVTransferConfig
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from vllm_dsv4.config import ConfigError
+
+    plugin.register()
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=256),
+                          compilation_config=CompilationConfig(), speculative_config=None,
+                          kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer"))
+    with pytest.raises(ConfigError, match="DSV4NixlConnector"):
+        MODELS_CONFIG_MAP["DeepseekV4ForCausalLM"].verify_and_update_config(cfg)
 
 
 def test_kernel_warmup_patch_runs_our_warm_up_after_vllms_for_our_models_only(monkeypatch):

@@ -36,6 +36,13 @@ are patches.py's (applied by plugin.register()); bindings to vLLM's kernels ops/
    only (``_call_hf_processor(hf_data, hf_kwargs)``) | vision/processor.py: ``ImageProcessor`` tokenises
    text when given, the model's processor overrides both methods (passing through, and False); the
    placeholder pads go in ``_apply_prompt_updates``, the same in both | 0.26 support ends.
+8. NIXL regions of the packed KV-cache pool (``DSV4NixlConnector``, connector/nixl.py) |
+   ``NixlPullConnectorWorker`` registers a pool whose caches share one storage as one region and moves
+   whole block rows | it registers one region per address and keeps the page length registered there
+   last, so the pages of overlaid groups are read at another group's length (wrong KV on the decode
+   engine) | ``nixl_regions_by_layer()``: on 0.32 our worker takes vLLM's layer-name routing, one
+   region per cache layer; ``refuse_address_keyed_nixl()`` (patches.py's config hook) refuses vLLM's own
+   pull connector by name on 0.32 | when vLLM's pull worker keys regions by address and length.
 """
 
 from __future__ import annotations
@@ -124,6 +131,33 @@ def eager_break(fn: Callable) -> Callable:
 def reports_failed_loads() -> bool:
     """Adapter 5: whether this vLLM takes per-request KV load failures from a connector."""
     return not is_vllm_026()
+
+
+# vLLM's names of its pull connector (adapter 8); ours is DSV4NixlConnector
+ADDRESS_KEYED_NIXL = ("NixlConnector", "NixlPullConnector")
+
+
+def nixl_regions_by_layer() -> bool:
+    """Adapter 8: whether NIXL must be given one region per cache layer (vLLM 0.32)."""
+    return not is_vllm_026()
+
+
+def refuse_address_keyed_nixl(kv_transfer_config) -> None:
+    """Adapter 8: a clear error for vLLM 0.32's own pull connector (also inside a MultiConnector), which
+    would hand the decode engine wrong KV pages."""
+    if kv_transfer_config is None or not nixl_regions_by_layer():
+        return
+    from vllm_dsv4.config import ConfigError
+
+    pending = [(kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_extra_config or {})]
+    while pending:
+        name, extra = pending.pop()
+        if name in ADDRESS_KEYED_NIXL:
+            raise ConfigError(f"kv_connector {name!r} of vLLM {vllm_version()} reads DeepSeek-V4's packed cache pages "
+                              "at one page length per address and would hand the decode engine wrong KV; use "
+                              "\"DSV4NixlConnector\" (the same NIXL connector with one region per cache layer)")
+        pending += [(c.get("kv_connector"), c.get("kv_connector_extra_config") or {})
+                    for c in extra.get("connectors", ()) if isinstance(c, dict)]
 
 
 def kv_transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]):

@@ -14,7 +14,8 @@ Ledger -- one entry per patch: the vLLM symbol | why | how | the vLLM change tha
    a subclass of the in-tree hook keeps its quant-method rewrite, sets the block size to
    ``DEFAULT_BLOCK_TOKENS`` unless the user chose a multiple of ``COMPRESSED_BLOCK_MULTIPLE``, and
    makes CUDA graphs ``FULL_DECODE_ONLY`` unless the user asks for a piecewise mode
-   (``FULL_AND_PIECEWISE``, ``PIECEWISE``) and breakable graphs run it (``graph_modes``); it runs
+   (``FULL_AND_PIECEWISE``, ``PIECEWISE``) and breakable graphs run it (``graph_modes``), and refuses
+   a ``kv_transfer_config`` naming vLLM 0.32's own pull NIXL connector (compat adapter 8); it runs
    before the platform hook (1) and before vLLM fills in its defaults; for a Vision checkpoint
    (``DeepseekV4ForConditionalGeneration``, patch 9) it also checks that a step can hold the largest
    image block (vision/schedule.py ``check_budget``). vLLM's own default
@@ -155,6 +156,7 @@ def patch_model_config_hook() -> None:
             if not cache.block_size or cache.block_size % COMPRESSED_BLOCK_MULTIPLE:
                 cache.block_size = DEFAULT_BLOCK_TOKENS
             graph_modes(vllm_config.compilation_config)
+            compat.refuse_address_keyed_nixl(vllm_config.kv_transfer_config)
 
     class VisionConfigHook(PluginConfigHook):
         @staticmethod

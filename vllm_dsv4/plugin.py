@@ -19,8 +19,10 @@ MODEL_CLASSES = {
 }
 
 
-# --kv-transfer-config '{"kv_connector": "DSV4Connector", ...}' (vllm_dsv4/connector/connector.py)
-CONNECTOR = ("DSV4Connector", "vllm_dsv4.connector.connector", "DSV4Connector")
+# --kv-transfer-config '{"kv_connector": "DSV4Connector", ...}' (vllm_dsv4/connector/connector.py),
+# '{"kv_connector": "DSV4NixlConnector", ...}' (vllm_dsv4/connector/nixl.py)
+CONNECTORS = (("DSV4Connector", "vllm_dsv4.connector.connector", "DSV4Connector"),
+              ("DSV4NixlConnector", "vllm_dsv4.connector.nixl", "DSV4NixlConnector"))
 
 
 def register() -> None:
@@ -42,8 +44,9 @@ def register() -> None:
         ModelRegistry.register_model(arch, target)  # replaces the in-tree class of the same name
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if CONNECTOR[0] not in KVConnectorFactory._registry:  # registered once per process
-        KVConnectorFactory.register_connector(*CONNECTOR)
+    for connector in CONNECTORS:
+        if connector[0] not in KVConnectorFactory._registry:  # registered once per process
+            KVConnectorFactory.register_connector(*connector)
     patches.apply(warm_up_kernels, dspark_proposer)
     from vllm_dsv4 import serving
 
