@@ -10,8 +10,8 @@ import torch
 from tests.conftest import load_make_checkpoint
 from vllm_dsv4.config import Dsv4Config, LayerKind
 from vllm_dsv4.connector.plan import (
-    Group, PrefixKeys, chunk_tokens, finish_ends, history_ends, history_positions, loaded_window_positions,
-    resume_point, save_ends, window_positions,
+    Group, PrefixKeys, arrived_history_ends, chunk_tokens, finish_ends, history_ends, history_positions,
+    loaded_window_positions, resume_point, save_ends, window_positions,
 )
 from vllm_dsv4.kv.layout import layer_components
 
@@ -134,6 +134,31 @@ def test_a_conversations_next_turn_resumes_where_the_last_one_stopped(seed):
         got = resume_point(0, next_turn, CHUNK, history.__contains__,
                            lambda b: [e for e in windows if b <= e < b + CHUNK])
         assert got == (computed if generated > 1 else prompt - 1), (prompt, generated)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_turn_whose_prompt_arrived_leaves_what_the_next_turn_resumes_from(seed):
+    """A request that had part of its prompt before its first step (all but the last token loaded by
+    another connector, NIXL on a decode engine, or a local prefix-cache hit) saves the history of what
+    it did not compute as well: the next turn resumes where it stopped."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        prompt, generated = rng.randrange(2, 2000), rng.randrange(2, 700)
+        arrived = rng.choice([prompt - 1, rng.randrange(0, prompt)])
+        history, windows = set(arrived_history_ends(arrived, prompt, CHUNK)), set()
+        computed = arrived
+        while computed < prompt + generated - 1:
+            step = min(rng.randrange(1, 600) if computed < prompt else 1, prompt + generated - 1 - computed)
+            h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
+            history |= set(h)
+            windows |= set(w)
+            computed += step
+        h, w = finish_ends(prompt, computed, CHUNK)
+        history |= set(h)
+        windows |= set(w)
+        got = resume_point(0, prompt + generated + rng.randrange(1, 300), CHUNK, history.__contains__,
+                           lambda b: [e for e in windows if b <= e < b + CHUNK])
+        assert got == computed, (prompt, generated, arrived)
 
 
 def test_keys_name_one_prefix():

@@ -41,6 +41,7 @@ from vllm_dsv4.config import ConfigError, Dsv4Config
 from vllm_dsv4.connector.plan import (
     Group,
     PrefixKeys,
+    arrived_history_ends,
     chunk_tokens,
     finish_ends,
     history_ends,
@@ -222,7 +223,7 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             r = self._requests.get(new.req_id)
             if r is not None:
                 r.block_ids = [list(ids) for ids in new.block_ids]
-                self._plan_saves(meta, r, new.num_computed_tokens, scheduled[new.req_id])
+                self._plan_saves(meta, r, new.num_computed_tokens, scheduled[new.req_id], arrived=True)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             r = self._requests.get(req_id)
@@ -268,8 +269,12 @@ class DSV4Connector(KVConnectorBase_V1, SupportsHMA):
             r = self._requests[request.request_id] = _Request(request.prompt_token_ids, PrefixKeys(salt, self.chunk))
         return r
 
-    def _plan_saves(self, meta: DSV4ConnectorMetadata, r: _Request, computed: int, scheduled: int) -> None:
+    def _plan_saves(self, meta: DSV4ConnectorMetadata, r: _Request, computed: int, scheduled: int,
+                    arrived: bool = False) -> None:
+        """``arrived``: the request's first step, whose ``computed`` tokens it did not compute here."""
         history, windows = save_ends(computed, computed + scheduled, len(r.prompt), self.chunk, self.window_every)
+        if arrived:  # entries already stored are left out (_saves)
+            history = arrived_history_ends(computed, len(r.prompt), self.chunk) + history
         meta.saves += self._saves(r.keys, r.prompt, history, windows, r.block_ids)
 
     def _saves(self, keys: PrefixKeys, tokens, history: list[int], windows: list[int],

@@ -104,6 +104,13 @@ def save_ends(computed: int, computed_after: int, num_prompt_tokens: int, chunk:
     return history, windows
 
 
+def arrived_history_ends(computed: int, num_prompt_tokens: int, chunk: int) -> list[int]:
+    """The history entries of the prompt tokens a request had in its caches when first scheduled (a local
+    prefix-cache hit, or what another connector loaded, e.g. NIXL on a decode engine): saved as well, so
+    that the window entries saved after them resume."""
+    return list(range(chunk, min(computed, num_prompt_tokens) + 1, chunk))
+
+
 def finish_ends(num_prompt_tokens: int, computed: int, chunk: int) -> tuple[list[int], list[int]]:
     """The history and the window entries a finished request leaves for a prompt that extends its
     whole sequence (a conversation's next turn): the history past its prompt and a window entry where
