@@ -1,4 +1,4 @@
-"""Prefill/decode demo proxy for two vLLM servers that share a DSV4Connector store.
+"""Prefill/decode demo proxy for two vLLM servers: NIXL (DSV4NixlConnector) or a shared DSV4Connector store.
 
     # a prefill and a decode engine on one store (a filesystem both hosts mount; /dev/shm on one host)
     vllm serve deepseek-ai/DeepSeek-V4-Flash --port 8100 --kv-transfer-config \
@@ -6,6 +6,10 @@
     vllm serve deepseek-ai/DeepSeek-V4-Flash --port 8200 --kv-transfer-config \
       '{"kv_connector":"DSV4Connector","kv_role":"kv_consumer","kv_connector_extra_config":{"path":"/dev/shm/kv"}}'
     python scripts/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+    # or NIXL: the decode engine reads the prefill engine's cache pages (kv_transfer_params, kv_handoff.py)
+    vllm serve ... --port 8100 --kv-transfer-config '{"kv_connector":"DSV4NixlConnector","kv_role":"kv_producer"}'
+    vllm serve ... --port 8200 --kv-transfer-config '{"kv_connector":"DSV4NixlConnector","kv_role":"kv_consumer"}'
 
 Each completion request is sent first to the prefill server with one output token (its engine stores
 the prompt's cache entries before it answers), then unchanged to the decode server, whose answer,
@@ -30,12 +34,17 @@ import argparse
 import asyncio
 import functools
 import json
+import sys
 from collections.abc import Awaitable
+from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kv_handoff  # noqa: E402  (scripts/ is no package)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 PREFILL_ONLY_DROPPED = ("stream_options", "min_tokens")  # min_tokens > 1 is refused with max_tokens = 1
@@ -128,13 +137,15 @@ class Proxy:
         prefill, decode, client = self.servers["prefill"], self.servers["decode"], self.client
         try:
             first = await unless_disconnected(
-                request, client.post(prefill + route, json=prefill_body(body), headers=headers), gone)
+                request, client.post(prefill + route, json=kv_handoff.prefill_request(prefill_body(body)),
+                                      headers=headers), gone)
         except httpx.TransportError as exc:
             return peer_error("prefill", prefill, exc)
         if first is gone:
             return Response(status_code=499)  # nobody reads it
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
+        body = kv_handoff.decode_request(body, first.content)
         try:
             upstream = await unless_disconnected(request, client.send(
                 client.build_request("POST", decode + route, json=body, headers=headers), stream=True), gone)
