@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 STARTUP_TIMEOUT_S = 240
+RUNNING: dict[str, subprocess.Popen] = {}  # base URL -> server process, while vllm_server runs it
 ENGINE_FLAGS = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4",
                 "--served-model-name", "tiny"]
 
@@ -55,9 +56,11 @@ def vllm_server(args: list[str], workdir: Path, env_updates: dict[str, str], dro
         except BaseException:
             stop(proc)
             raise
+        RUNNING[base] = proc
         try:
             yield base, log_path
         finally:
+            RUNNING.pop(base, None)
             stop(proc)
         return
 
