@@ -22,8 +22,10 @@
 #   scripts/gpu_check.sh dspark        # DSpark: the drafter's intermediates vs the spec reference, greedy outputs (N = 1..7,
 #                                      # prefix cache, chunks, connector, TP = 2 where 2 GPUs), CUDA-graph drafts vs eager,
 #                                      # forced drafts (DSpark and MTP), probabilistic drafting's distribution
-#   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries;
-#                                      # then scripts/bench_connector.py on the 6-layer V4-Flash-dims checkpoint
+#   scripts/gpu_check.sh connector     # DSV4Connector: store/plan units, PD engines vs transformers, damaged entries
+#   scripts/gpu_check.sh nixl          # DSV4NixlConnector (needs vllm-dsv4[nixl]): two servers on one GPU over NIXL
+#                                      # vs transformers, MultiConnector + store, lease; then scripts/bench_connector.py
+#                                      # (NIXL vs store vs recompute) on the 6-layer V4-Flash-dims checkpoint
 #   scripts/gpu_check.sh vision        # images: preprocessing, tower and processor units, then prompts with one
 #                                      # and two images vs the whole-model reference (tiny-vision, vLLM 0.26)
 #   scripts/gpu_check.sh vision-flash  # Vision-Exp dimensions (4 text layers, the 32-layer tower): tower time per
@@ -164,11 +166,16 @@ case "${1:-unit}" in
   connector)
     timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/connector/test_plan.py \
       tests/connector/test_store.py tests/e2e/test_kv_connector.py > "$LOG_DIR/connector.log" 2>&1
-    summary "$LOG_DIR/connector.log"
+    summary "$LOG_DIR/connector.log" ;;
+  nixl)
+    python -c "import nixl._api" || { echo "NIXL is not installed: python -m pip install nixl==1.5.1"; exit 1; }
+    timeout "$LIMIT" python -m pytest -q -p no:cacheprovider -rf --tb=short tests/serving/test_pd_nixl.py \
+      tests/test_compat.py tests/test_patches.py > "$LOG_DIR/nixl.log" 2>&1
+    summary "$LOG_DIR/nixl.log"
     flash_checkpoint
-    timeout "$LIMIT" python scripts/bench_connector.py --ckpt "$FLASH" --lens 8192 32768 --batch 1 \
-      --engine '{"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.8}' > "$LOG_DIR/bench_connector.log" 2>&1
-    tail -8 "$LOG_DIR/bench_connector.log" ;;
+    timeout "$LIMIT" python scripts/bench_connector.py --ckpt "$FLASH" --lens 8192 32768 --repeat 2 \
+      --serve "--dtype bfloat16 --kv-cache-dtype fp8 --gpu-memory-utilization 0.4" > "$LOG_DIR/bench_connector.log" 2>&1
+    tail -32 "$LOG_DIR/bench_connector.log" ;;
   graph-launch)
     timeout "$LIMIT" python scripts/bench_graph_launch.py > "$LOG_DIR/graph_launch.log" 2>&1; cat "$LOG_DIR/graph_launch.log" ;;
   bench-kernels)  # per-op table; wo_a and the experts against the other implementation the model can run
