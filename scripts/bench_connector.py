@@ -14,8 +14,8 @@ first token, through HTTP):
 - *store*: the decode server given the same prompt again, without them (it resumes from the store).
 A disaggregated request's first token takes *prefill* + *NIXL* (or + *store*). Bytes per prompt token:
 what NIXL reported moving (its telemetry) and what the store gained, with the bytes per component
-NIXL moves according to ``kv/layout.py`` and vLLM's NIXL scheduler, for this checkpoint (checked
-against NIXL's count) and for V4-Flash.
+NIXL moves at most according to ``kv/layout.py`` and vLLM's NIXL scheduler (the window groups' bound),
+for this checkpoint (beside NIXL's count) and for V4-Flash.
 """
 
 import argparse
@@ -46,8 +46,9 @@ COMPRESSED_BLOCK_TOKENS = 256  # the plugin's KV-cache block (patches.py)
 
 
 def nixl_bytes(cfg: Dsv4Config, kv_dtype: torch.dtype, fp8: bool, prompt: int) -> dict[str, int]:
-    """Bytes NIXL moves per component for one prompt: every block of a full-history group, and of a
-    window group the last ``cdiv(window, block) + 1`` blocks (vLLM's scheduler clips those groups so)."""
+    """Bytes NIXL moves per component for one prompt, at most: every block of a full-history group, and
+    of a window group the last ``cdiv(window, block) + 1`` blocks (vLLM's scheduler clips those groups
+    to no more; it may hand over fewer, a fixed amount per request)."""
     moved: dict[str, int] = {}
     for layer in range(cfg.num_hidden_layers):
         for name, comp in layer_components(cfg, cfg.layer_kind(layer), kv_dtype, COMPRESSED_BLOCK_TOKENS, fp8).items():
@@ -74,7 +75,7 @@ def start_server(ckpt: Path, kv: dict, max_len: int, log: Path, *extra: str) -> 
     env = dict(os.environ, VLLM_PLUGINS="vllm_dsv4", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()),
                VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
     if not torch.cuda.is_available():
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--enforce-eager",
            "--max-model-len", str(max_len), "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
            "--kv-transfer-config", json.dumps(kv), *extra]
@@ -139,7 +140,7 @@ def measure(args, prefill: str, decode: str) -> dict:
 
 def component_table(title: str, cfg: Dsv4Config, kv_dtype: torch.dtype, fp8: bool, lens: list[int]) -> str:
     per = {n: nixl_bytes(cfg, kv_dtype, fp8, n) for n in lens}
-    lines = [f"**{title}**: bytes NIXL moves per prompt token, by component", "",
+    lines = [f"**{title}**: at most the bytes NIXL moves per prompt token, by component", "",
              "| component | " + " | ".join(f"{n:,} tokens" for n in lens) + " |", "|---|" + "---|" * len(lens)]
     for name in per[lens[0]]:
         lines.append(f"| `{name}` | " + " | ".join(f"{per[n][name] / n:,.1f}" for n in lens) + " |")
@@ -182,7 +183,7 @@ def main() -> None:
     kv_dtype = getattr(torch, served.get("--dtype", "bfloat16"))
     print(f"{args.ckpt}, {args.serve}, decode server's medians of {args.repeat}; store {args.store}\n")
     print("| prompt tokens | recompute (s) | prefill (s) | NIXL hand-off (s) | store hand-off (s) "
-          "| NIXL B/token | layout's NIXL B/token | store B/token |")
+          "| NIXL B/token | layout's bound, NIXL B/token | store B/token |")
     print("|---|---|---|---|---|---|---|---|")
     for n, r in rows.items():
         predicted = sum(nixl_bytes(cfg, kv_dtype, fp8, n).values()) / n
