@@ -12,9 +12,10 @@
     vllm serve ... --port 8200 --kv-transfer-config '{"kv_connector":"DSV4NixlConnector","kv_role":"kv_consumer"}'
 
 Each completion request is sent first to the prefill server with one output token (its engine stores
-the prompt's cache entries before it answers), then unchanged to the decode server, whose answer,
-streamed or not, is the client's: the decode engine loads all but the prompt's last token from the
-store and computes only that one. The client's ``Authorization`` header goes to both servers;
+the prompt's cache entries before it answers, or keeps its blocks for NIXL), then to the decode server
+(with the ``kv_transfer_params`` the prefill server answered with, if any), whose answer, streamed or
+not, is the client's: the decode engine loads the prompt's cache from the store or over NIXL and
+computes only its last token. The client's ``Authorization`` header goes to both servers;
 ``--api-key`` makes the proxy itself require ``Authorization: Bearer <key>`` (401 otherwise).
 
 Failures: a body that is not a JSON object gets a 400 and reaches no server; a prefill server's error
