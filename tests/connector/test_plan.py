@@ -111,6 +111,22 @@ def test_the_resume_point_is_the_furthest_window_entry_over_whole_history(seed):
         assert got == max(usable, default=start)
 
 
+def serve(rng: random.Random, prompt: int, generated: int, computed: int, history: set, windows: set) -> int:
+    """Steps a request from ``computed`` tokens to its last computed one (the last generated token never
+    is): prompt chunks of 1-599 tokens, then one token a step; adds the entry ends it saves to ``history``
+    and ``windows``; returns how many tokens it computed."""
+    while computed < prompt + generated - 1:
+        step = min(rng.randrange(1, 600) if computed < prompt else 1, prompt + generated - 1 - computed)
+        h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
+        history |= set(h)
+        windows |= set(w)
+        computed += step
+    h, w = finish_ends(prompt, computed, CHUNK)
+    history |= set(h)
+    windows |= set(w)
+    return computed
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_conversations_next_turn_resumes_where_the_last_one_stopped(seed):
     """A request's saves (its prompt's steps, then what it generated) let a prompt extending its whole
@@ -119,17 +135,8 @@ def test_a_conversations_next_turn_resumes_where_the_last_one_stopped(seed):
     rng = random.Random(seed)
     for _ in range(100):
         prompt, generated = rng.randrange(2, 2000), rng.randrange(1, 700)
-        computed, history, windows = 0, set(), set()
-        while computed < prompt + generated - 1:  # the last generated token is never computed
-            step = rng.randrange(1, 600) if computed < prompt else 1
-            step = min(step, prompt + generated - 1 - computed)
-            h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
-            history |= set(h)
-            windows |= set(w)
-            computed += step
-        h, w = finish_ends(prompt, computed, CHUNK)
-        history |= set(h)
-        windows |= set(w)
+        history, windows = set(), set()
+        computed = serve(rng, prompt, generated, 0, history, windows)
         next_turn = prompt + generated + rng.randrange(1, 300)
         got = resume_point(0, next_turn, CHUNK, history.__contains__,
                            lambda b: [e for e in windows if b <= e < b + CHUNK])
@@ -146,16 +153,7 @@ def test_a_turn_whose_prompt_arrived_leaves_what_the_next_turn_resumes_from(seed
         prompt, generated = rng.randrange(2, 2000), rng.randrange(2, 700)
         arrived = rng.choice([prompt - 1, rng.randrange(0, prompt)])
         history, windows = set(arrived_history_ends(arrived, prompt, CHUNK)), set()
-        computed = arrived
-        while computed < prompt + generated - 1:
-            step = min(rng.randrange(1, 600) if computed < prompt else 1, prompt + generated - 1 - computed)
-            h, w = save_ends(computed, computed + step, prompt, CHUNK, WINDOW_EVERY)
-            history |= set(h)
-            windows |= set(w)
-            computed += step
-        h, w = finish_ends(prompt, computed, CHUNK)
-        history |= set(h)
-        windows |= set(w)
+        computed = serve(rng, prompt, generated, arrived, history, windows)
         got = resume_point(0, prompt + generated + rng.randrange(1, 300), CHUNK, history.__contains__,
                            lambda b: [e for e in windows if b <= e < b + CHUNK])
         assert got == computed, (prompt, generated, arrived)

@@ -3,14 +3,14 @@ and what happens when an entry is damaged. Each engine is its own process (run_v
 engines' outputs are checked against transformers on the whole prompt, so a cache component that was
 not moved, or moved to the wrong block, shows up as different tokens or log-probs."""
 
+import functools
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.e2e.test_generate import ENGINE, LOGIT_TOL, MAX_TOKENS, make_prompts, run_vllm, worker_env
-from tests.oracle.hf_oracle import load_hf_reference
+from tests.oracle.hf_oracle import forced_logprobs, load_hf_reference
 from vllm_dsv4.connector.store import header_of
 
 pytestmark = pytest.mark.e2e
@@ -52,14 +52,7 @@ def decoded(tmp_path_factory, tiny_ckpt_unquantized, store):
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt_unquantized):
-    model = load_hf_reference(tiny_ckpt_unquantized)
-
-    def logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0].double()
-        return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
-
-    return logprobs
+    return functools.partial(forced_logprobs, load_hf_reference(tiny_ckpt_unquantized))
 
 
 def assert_matches_transformers(reference, prompt: list[int], ours: dict, max_tokens: int = MAX_TOKENS) -> None:

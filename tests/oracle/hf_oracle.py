@@ -301,6 +301,13 @@ def greedy_sequence(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0].tolist()
 
 
+def forced_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), vocab]`` fp64 log-probs of the token after ``prompt + tokens[:i]``, row ``i``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].double()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+
+
 # --------------------------------------------------------------------------------------------
 # MTP (§7), which transformers does not build: assembled here from its modules
 # --------------------------------------------------------------------------------------------

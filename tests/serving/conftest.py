@@ -65,6 +65,21 @@ def vllm_server(args: list[str], workdir: Path, env_updates: dict[str, str], dro
         return
 
 
+@contextmanager
+def pd_proxy(prefill: str, decode: str, workdir: Path):
+    """scripts/pd_proxy.py in front of a prefill and a decode server; yields its base URL once healthy."""
+    port = free_port()
+    log_path = workdir / "proxy.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "pd_proxy.py"),
+                                 "--prefill", prefill, "--decode", decode, "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
+    finally:
+        stop(proc)
+
+
 def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> str:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:

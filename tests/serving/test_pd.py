@@ -4,16 +4,13 @@ transformers' greedy continuation, and its metrics show it took the prompt from 
 
 import json
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT
 from tests.e2e.test_generate import make_prompts
 from tests.oracle.hf_oracle import greedy_sequence, load_hf_reference
-from tests.serving.conftest import ENGINE_FLAGS, free_port, stop, vllm_server, wait_healthy
+from tests.serving.conftest import ENGINE_FLAGS, pd_proxy, vllm_server
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +30,8 @@ def pd(tiny_ckpt_unquantized, tmp_path_factory):
     store, env = work / "store", {"VLLM_PLUGINS": "vllm_dsv4"}
     with vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_producer"), work, env) as (prefill, _), \
             vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_consumer"), work, env) as (decode, _):
-        port = free_port()
-        log_path = work / "proxy.log"
-        with open(log_path, "wb") as log:
-            proxy = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "pd_proxy.py"), "--prefill", prefill,
-                                      "--decode", decode, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        try:
-            yield wait_healthy(proxy, f"http://127.0.0.1:{port}", log_path), decode, store
-        finally:
-            stop(proxy)
+        with pd_proxy(prefill, decode, work) as base:
+            yield base, decode, store
 
 
 @pytest.fixture(scope="module")

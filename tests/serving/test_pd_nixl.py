@@ -11,10 +11,9 @@ blocks when vLLM's lease runs out) and a prefill server that dies after answerin
 recomputes, ``kv_load_failure_policy`` ``recompute``, and keeps serving).
 """
 
+import functools
 import json
 import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -25,8 +24,8 @@ import torch
 
 from tests.conftest import REPO_ROOT, load_module_by_path
 from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
-from tests.oracle.hf_oracle import load_hf_reference
-from tests.serving.conftest import ENGINE_FLAGS, RUNNING, free_port, stop, vllm_server, wait_healthy
+from tests.oracle.hf_oracle import forced_logprobs, load_hf_reference
+from tests.serving.conftest import ENGINE_FLAGS, RUNNING, free_port, pd_proxy, stop, vllm_server
 from vllm_dsv4 import compat
 
 pytestmark = pytest.mark.e2e
@@ -65,30 +64,14 @@ def pd(tiny_ckpt_unquantized, tmp_path_factory):
     with vllm_server(server_args(tiny_ckpt_unquantized, nixl("kv_producer", kv_lease_duration=LEASE_S)), work,
                      env()) as (prefill, _), \
             vllm_server(server_args(tiny_ckpt_unquantized, decode_kv), work, env()) as (decode, _):
-        port = free_port()
-        log_path = work / "proxy.log"
-        with open(log_path, "wb") as log:
-            proxy = subprocess.Popen([sys.executable, str(REPO_ROOT / "scripts" / "pd_proxy.py"), "--prefill", prefill,
-                                      "--decode", decode, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        try:
-            base = wait_healthy(proxy, f"http://127.0.0.1:{port}", log_path)
+        with pd_proxy(prefill, decode, work) as base:
             yield SimpleNamespace(proxy=base, prefill=prefill, decode=decode, store=store, work=work)
-        finally:
-            stop(proxy)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt_unquantized):
     """(prompt, tokens) -> transformers' fp64 next-token log-probs [len(tokens), vocab] after prompt + tokens[:i]."""
-    model = load_hf_reference(tiny_ckpt_unquantized)
-
-    def logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0].double()
-        return torch.log_softmax(logits, -1)[len(prompt) - 1: -1]
-
-    return logprobs
+    return functools.partial(forced_logprobs, load_hf_reference(tiny_ckpt_unquantized))
 
 
 def completion(prompt: list[int], **extra) -> dict:
