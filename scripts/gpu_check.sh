@@ -208,7 +208,7 @@ case "${1:-unit}" in
   report)
     python scripts/bench_gpu.py --report "$LOG_DIR"/bench.*.json --model "$FLASH" ;;
   save-caches)  # the JIT caches (Triton's for our kernels and vLLM's, DeepGEMM's, TileLang's) as 15 MiB parts
-    # for the next machine, which would compile everything again (gpu-path-flash: cut at 420 s cold, 141 s warm)
+    # for the next machine, which would otherwise compile everything again (a cold engine start compiles for minutes)
     dirs=()
     for d in .triton/cache .cache/vllm .tilelang; do [ -d "$HOME/$d" ] && dirs+=("$d"); done
     (cd "$HOME" && du -sh "${dirs[@]}")
