@@ -41,7 +41,7 @@
 #   scripts/gpu_check.sh bench-invariant  # our engine in batch-invariant mode (VLLM_DSV4_BATCH_INVARIANT=1: Triton MoE)
 #   scripts/gpu_check.sh bench-fused   # our engine with the fused wo_a kernel at every size (VLLM_DSV4_OUT_PROJ=fused)
 #   scripts/gpu_check.sh bench-einsum  # our engine with wo_a through DeepGEMM's grouped GEMM (VLLM_DSV4_OUT_PROJ=einsum)
-#   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the old chunk; now 8,192)
+#   scripts/gpu_check.sh bench-chunk2048  # our engine attending 2,048 queries per call (the reference path's chunk; the kernels take 8,192)
 #   scripts/gpu_check.sh bench-intree  # vLLM's in-tree DeepSeek-V4 on the same checkpoint; then `report`
 #                                      # (MTP=K before either: both engines draft K tokens per step;
 #                                      # FIRST_START=1: each engine started once before, that start reported too;
