@@ -9,7 +9,7 @@ Presets (docs/MODEL.md §13.1, §1.1):
   tiny-base, flash-base   tiny / flash in V4-Flash-Base's format: FP8 routed experts, float32 scales
   tiny-0731, tiny-pro-0813, flash-0731
             the same with the DSpark drafter of V4-Flash-0731 / V4-Pro-0813 instead of the MTP module
-            (dspark.md §2): one stage per target layer (the last three main layers), compress_ratios
+            (docs/MODEL.md §16): one stage per target layer (the last three main layers), compress_ratios
             extended by three zeros, num_nextn_predict_layers left at 1 as the releases do
   tiny-vision   tiny-0731 with a tiny vision tower (every Vision-Exp tensor, official names and dtypes), the
                 real vocabulary (image sentinels are reserved ids 129257..129261) and rms_norm_eps 1e-20
@@ -192,9 +192,9 @@ _KTINY_OVERRIDES: dict[str, Any] = {
     "max_position_embeddings": 65536,
 }
 
-# What V4-Flash-0731 adds to the preview config (release_checkpoints.md §5.2): three DSpark stages
+# What V4-Flash-0731 adds to the preview config (docs/MODEL.md §16.1): three DSpark stages
 # after the last main layer (num_nextn_predict_layers stays 1); V4-Pro-0813's block is the same with
-# target layers 58-60 and Markov rank 512 (§6)
+# target layers 58-60 and Markov rank 512
 _FLASH_0731_OVERRIDES: dict[str, Any] = {
     "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0, 0, 0],
     "dspark_block_size": 5,

@@ -50,7 +50,7 @@ def test_architecture_doc_embeds_current_table():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     table = load_script("page_table").render()
     assert table in doc, "docs/ARCHITECTURE.md page table is stale: rerun scripts/page_table.py"
-    # 21 C4 layers x (1024 + 256) / 4 + 20 C128 layers x 1024 / 128 (anchors.md's BF16 figure)
+    # 21 C4 layers x (1024 + 256) / 4 + 20 C128 layers x 1024 / 128 (docs/MODEL.md §9.1's bf16 figure)
     assert "6,880.0" in table
 
 

@@ -26,7 +26,7 @@ def method_of(path) -> str | None:
 
 
 def test_flash_0731_stages_match_the_release(make_checkpoint_module):
-    """release_checkpoints.md §5.3 / dspark.md §2: 1,568 / 1,565 / 1,572 tensors per stage (1,536 of them
+    """docs/MODEL.md §16.2: 1,568 / 1,565 / 1,572 tensors per stage (1,536 of them
     routed-expert weights and scales), the DSpark-only tensors' shapes and dtypes."""
     cfg = Dsv4Config.from_dict(make_checkpoint_module.make_config("flash-0731", num_layers=43))
     assert cfg.dspark.target_layer_ids == (40, 41, 42) and len(cfg.compress_ratios) == 46

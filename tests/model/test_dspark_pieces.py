@@ -1,4 +1,4 @@
-"""The DSpark drafter's pieces against vLLM 0.32's own pure-PyTorch ones (shared/docs/dspark.md §10.3): the
+"""The DSpark drafter's pieces (docs/MODEL.md §16) against vLLM 0.32's own pure-PyTorch ones: the
 Markov head and the confidence head (``qwen3_dspark``), which checkpoint tensors are the stages' blocks and
 which the heads (``DSparkDeepseekV4ForCausalLM._remap_dspark_name``), and which target layers feed the
 drafter (``get_eagle3_aux_layers_from_config``)."""

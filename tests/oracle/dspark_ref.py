@@ -1,19 +1,19 @@
-"""A DSpark drafter (shared/docs/dspark.md §3-§4) written from the spec, for one request, fp32.
+"""A DSpark drafter (docs/MODEL.md §16.4-§16.7) written from the spec, for one request, fp32.
 
 Independent of vLLM and of the plugin: the V4 blocks are transformers' modules (``DeepseekV4DecoderLayer``
 for each stage, ``DeepseekV4HyperHead``, ``DeepseekV4RMSNorm``; the main model from
 ``hf_oracle.load_hf_reference``), the rest is written out here from the spec:
 
-- features: after target layer t, the mean of its n output streams (``aux_t``, §3.1), concatenated in the
-  order of ``dspark_target_layer_ids``; ``main_x = main_norm(main_proj(features))`` (§3.2);
+- features: after target layer t, the mean of its n output streams (``aux_t``, §16.4), concatenated in the
+  order of ``dspark_target_layer_ids``; ``main_x = main_norm(main_proj(features))`` (§16.4);
 - context KV of stage s at every position p before the anchor: ``RoPE_p(kv_norm_s(wkv_s(main_x[p])))``
-  (§3.3), the last ``sliding_window`` of them;
+  (§16.5), the last ``sliding_window`` of them;
 - the block: the anchor and ``N - 1`` noise tokens at positions P .. P+N-1, the embedding copied to n
   streams, through the stages; each stage's attention sees the context KV and every block key, with no mask
   (non-causal). The decoder layer gets its keys through the cache hook it calls
   (``past_key_values.update``): the hook puts the context in front of the block's own keys;
 - head: ``h = hc_head(X)`` (pre-norm), ``U = head(norm(h))``; Markov stage: ``U_k + W2 W1[prev]`` with
-  ``prev`` the anchor, then each draft; confidence ``sigmoid(w . [h_k ; W1[prev_k]])`` (§4.4).
+  ``prev`` the anchor, then each draft; confidence ``sigmoid(w . [h_k ; W1[prev_k]])`` (§16.7).
 """
 
 from __future__ import annotations
@@ -148,5 +148,5 @@ class HFDSparkReference:
                 "drafts": out, "confidence": confidence}
 
 
-# Tensors of the last stage that are not its block: the heads (dspark.md §2.3)
+# Tensors of a stage that are not its block: stage 0's feature fusion, the last stage's heads (§16.2)
 _HEADS = ("norm.", "hc_head_", "markov_head.", "confidence_head.", "main_proj.", "main_norm.")

@@ -1,6 +1,7 @@
 """The csrc_triton references against transformers 5.19's DeepSeek-V4 modules, in fp32.
 
-Oracle -> reference link of the test chain (shared/docs/style.md §4). Modules are built from the
+Oracle -> reference link of the test chain: transformers checks our PyTorch references here, and
+tests/csrc_triton checks each kernel against its reference. Modules are built from the
 TINY config of docs/MODEL.md §13.1 with every parameter randomised, including the ones HF
 initialises to zero (sinks, position_bias = ape, hc bases, e_score_correction_bias, tid2eid), and
 16 indexer heads (§13.2). Tolerance: 1e-5 absolute in fp32 (observed errors are ~1e-6 or below;

@@ -138,7 +138,7 @@ def layer_components(
 
 def dspark_component(cfg: Dsv4Config, kv_dtype: torch.dtype, fp8: bool = False) -> Component:
     """A DSpark stage's cache: entries like ``swa``'s, by token position. Its window is one token longer: the
-    block's first query, at the anchor p, reads the ``sliding_window`` positions before p (dspark.md §4.2)."""
+    block's first query, at the anchor p, reads the ``sliding_window`` positions before p (docs/MODEL.md §16.5)."""
     main_fp8 = Fp8Entry(cfg.head_dim, cfg.qk_rope_head_dim) if fp8 else None
     return Component("dspark", tokens_per_entry=1, block_tokens=SWA_BLOCK_TOKENS, window_tokens=cfg.sliding_window + 1,
                      **_entry(cfg.head_dim, kv_dtype, main_fp8))

