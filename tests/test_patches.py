@@ -141,7 +141,7 @@ def engine_config(model, spec: dict):
 
 
 def test_dspark_stays_in_the_v1_runner(tiny_0731_ckpt, monkeypatch):
-    """Patches 5 and 7: vLLM 0.26 forces Model Runner V2 for DSpark and 0.32 refuses it in V1; ours runs in
+    """Patch 5: vLLM 0.26 forces Model Runner V2 for DSpark and 0.32 refuses it in V1; ours runs in
     V1 (where patch 6 gives it our proposer), N defaulting to the block size (where the draft model is
     named: vLLM's rule); forcing V2 is named."""
     config = engine_config(tiny_0731_ckpt, {"method": "dspark", "model": str(tiny_0731_ckpt)})

@@ -8,9 +8,9 @@ A module reads its switches once, when it is imported (``Switch.read()`` at modu
 step of a process takes the same paths; the kernel-path switches are read only where kernels run
 (``ops``), so an unused one is never checked. Modules: ``ops`` (OPS, MOE, BATCH_INVARIANT,
 VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN), ``model.attention`` (ATTN_QUERY_CHUNK, ATTN_CALL_BYTES),
-``warmup`` (WARMUP), ``compat`` (BREAKABLE_CUDAGRAPH, read when vLLM's config is checked),
-``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``vision.processor`` (MAX_IMAGE_MB),
-``serving.cli`` (PLUGINS), ``plugin`` (TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
+``warmup`` (WARMUP), ``compat`` (BREAKABLE_CUDAGRAPH) and ``patches`` (V2_MODEL_RUNNER), both read when
+vLLM's config is checked, ``ops.vllm_kernels`` (DEEP_GEMM_WARMUP, read at warm-up), ``vision.processor``
+(MAX_IMAGE_MB), ``serving.cli`` (PLUGINS), ``plugin`` (TRITON_CACHE_DIR, VLLM_CACHE_ROOT, at registration).
 
 The KV connector takes its options from vLLM's ``kv_connector_extra_config``, not from the environment:
 they are listed in ``connector/options.py``.
@@ -92,6 +92,9 @@ BREAKABLE_CUDAGRAPH = Switch("VLLM_USE_BREAKABLE_CUDAGRAPH", None, "vllm", meani
 DEEP_GEMM_WARMUP = Switch("VLLM_DEEP_GEMM_WARMUP", "relax", "vllm", through_vllm=True, meaning=(
     "vLLM's DeepGEMM warm-up sizes ('relax', 'full', 'skip'); our DeepGEMM-backed linears are warmed at the "
     "same token counts."))
+V2_MODEL_RUNNER = Switch("VLLM_USE_V2_MODEL_RUNNER", None, "vllm", through_vllm=True, meaning=(
+    "vLLM's choice of Model Runner V2; with DSpark on our DeepSeek-V4 (which drafts in V1, patch 5), set on it "
+    "is refused with an error naming it, set off or unset it changes nothing."))
 MAX_IMAGE_MB = Switch("VLLM_DSV4_MAX_IMAGE_MB", "20", "user", meaning=(
     "The largest image file (or data URI, decoded) a request may send, in MiB; a larger one is refused with a "
     "400 naming its size. vLLM's own VLLM_MAX_IMAGE_PIXELS bounds the decoded pixels."))
@@ -107,5 +110,5 @@ VLLM_CACHE_ROOT = Switch("VLLM_CACHE_ROOT", "~/.cache/vllm", "vllm", through_vll
     "vLLM's cache root; Triton's kernel cache goes under it unless TRITON_CACHE_DIR is set."))
 
 SWITCHES = (OPS, MOE, BATCH_INVARIANT, VLLM_BATCH_INVARIANT, OUT_PROJ, ATTN, ATTN_QUERY_CHUNK, ATTN_CALL_BYTES,
-            WARMUP, BREAKABLE_CUDAGRAPH, DEEP_GEMM_WARMUP, MAX_IMAGE_MB, PLUGINS, TRITON_CACHE_DIR,
+            WARMUP, BREAKABLE_CUDAGRAPH, DEEP_GEMM_WARMUP, V2_MODEL_RUNNER, MAX_IMAGE_MB, PLUGINS, TRITON_CACHE_DIR,
             VLLM_CACHE_ROOT)

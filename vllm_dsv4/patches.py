@@ -84,7 +84,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_dsv4 import compat, get_logger
+from vllm_dsv4 import compat, envs, get_logger
 from vllm_dsv4.config import ConfigError
 from vllm_dsv4.vision import schedule
 from vllm_dsv4.vision.schedule import check_budget
@@ -350,9 +350,7 @@ def patch_dspark_runner(proposer: Callable[[], type]) -> None:
     def use_v2_model_runner(self) -> bool:
         if not serves_dspark(self):
             return in_tree_v2(self)
-        import vllm.envs as envs
-
-        if envs.VLLM_USE_V2_MODEL_RUNNER:
+        if envs.V2_MODEL_RUNNER.read():
             raise ConfigError("vllm-dsv4 drafts with DSpark in vLLM's V1 model runner; unset "
                               "VLLM_USE_V2_MODEL_RUNNER (vLLM's V2 DSpark speculator runs its own DeepSeek-V4 layers)")
         return False
