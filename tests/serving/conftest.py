@@ -66,7 +66,7 @@ def vllm_server(args: list[str], workdir: Path, env_updates: dict[str, str], dro
 
 
 @contextmanager
-def pd_proxy(prefill: str, decode: str, workdir: Path):
+def running_pd_proxy(prefill: str, decode: str, workdir: Path):
     """scripts/pd_proxy.py in front of a prefill and a decode server; yields its base URL once healthy."""
     port = free_port()
     log_path = workdir / "proxy.log"

@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.test_generate import make_prompts
 from tests.oracle.hf_oracle import greedy_sequence, load_hf_reference
-from tests.serving.conftest import ENGINE_FLAGS, pd_proxy, vllm_server
+from tests.serving.conftest import ENGINE_FLAGS, running_pd_proxy, vllm_server
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ def pd(tiny_ckpt_unquantized, tmp_path_factory):
     store, env = work / "store", {"VLLM_PLUGINS": "vllm_dsv4"}
     with vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_producer"), work, env) as (prefill, _), \
             vllm_server(server_args(tiny_ckpt_unquantized, store, "kv_consumer"), work, env) as (decode, _):
-        with pd_proxy(prefill, decode, work) as base:
+        with running_pd_proxy(prefill, decode, work) as base:
             yield base, decode, store
 
 

@@ -25,7 +25,7 @@ import torch
 from tests.conftest import REPO_ROOT, load_module_by_path
 from tests.e2e.test_generate import ENGINE, LOGIT_TOL, make_prompts, run_vllm
 from tests.oracle.hf_oracle import forced_logprobs, load_hf_reference
-from tests.serving.conftest import ENGINE_FLAGS, RUNNING, free_port, pd_proxy, stop, vllm_server
+from tests.serving.conftest import ENGINE_FLAGS, RUNNING, free_port, running_pd_proxy, stop, vllm_server
 from vllm_dsv4 import compat
 
 pytestmark = pytest.mark.e2e
@@ -64,7 +64,7 @@ def pd(tiny_ckpt_unquantized, tmp_path_factory):
     with vllm_server(server_args(tiny_ckpt_unquantized, nixl("kv_producer", kv_lease_duration=LEASE_S)), work,
                      env()) as (prefill, _), \
             vllm_server(server_args(tiny_ckpt_unquantized, decode_kv), work, env()) as (decode, _):
-        with pd_proxy(prefill, decode, work) as base:
+        with running_pd_proxy(prefill, decode, work) as base:
             yield SimpleNamespace(proxy=base, prefill=prefill, decode=decode, store=store, work=work)
 
 
