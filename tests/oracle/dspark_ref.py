@@ -38,17 +38,33 @@ class _ContextCache:
         return keys, keys
 
 
+def stream_means(model, layers: list[int], forward) -> list[torch.Tensor]:
+    """The mean over the n streams [S, D] after each of ``layers`` of transformers' ``model`` while
+    ``forward()`` runs it over one sequence."""
+    captured = {}
+    hooks = [model.model.layers[t].register_forward_hook(
+        lambda module, args, out, t=t: captured.update({t: out[0].mean(dim=1)})) for t in layers]
+    try:
+        forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [captured[t] for t in layers]
+
+
 class HFDSparkReference:
     """``draft(tokens, anchor, n)``: every intermediate of one draft step of a request whose committed
     tokens are ``tokens`` (positions 0 .. P-1) and whose anchor (the token the target just sampled) sits
     at position P = len(tokens)."""
 
-    def __init__(self, ckpt_dir: str | Path):
+    def __init__(self, ckpt_dir: str | Path, main=None):
+        """``main``: the target model when the checkpoint holds more than transformers' (a Vision one);
+        its ``features`` then come from the caller."""
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
         ckpt_dir = Path(ckpt_dir)
         raw = json.loads((ckpt_dir / "config.json").read_text())
-        self.main = load_hf_reference(ckpt_dir)
+        self.main = load_hf_reference(ckpt_dir) if main is None else main
         cfg = copy.deepcopy(self.main.config)
         L, self.targets = cfg.num_hidden_layers, list(raw["dspark_target_layer_ids"])
         S = len(self.targets)
@@ -58,8 +74,10 @@ class HFDSparkReference:
         weights = _dequantized_weights(_open_tensors(ckpt_dir))
         self.stages = []
         for s in range(S):
+            # (a Vision stage's gate.bias_vl routes image sentinels only, never in a block of anchor + noise)
             block = {f"layers.{L + s}.{n[len(f'mtp.{s}.'):]}": t for n, t in weights.items()
-                     if n.startswith(f"mtp.{s}.") and not n.startswith(tuple(f"mtp.{s}.{x}" for x in _HEADS))}
+                     if n.startswith(f"mtp.{s}.") and not n.startswith(tuple(f"mtp.{s}.{x}" for x in _HEADS))
+                     and not n.endswith("gate.bias_vl")}
             stage = hf.DeepseekV4DecoderLayer(cfg, L + s)
             prefix = f"model.layers.{L + s}."
             state = {n[len(prefix):]: t for n, t in official_to_hf(block, cfg.n_routed_experts).items()}
@@ -90,15 +108,7 @@ class HFDSparkReference:
     @torch.no_grad()
     def features(self, tokens: list[int]) -> list[torch.Tensor]:
         """``aux_t`` [P, D] of each target layer t: the mean over the n streams after it."""
-        captured = {}
-        hooks = [self.main.model.layers[t].register_forward_hook(
-            lambda module, args, out, t=t: captured.update({t: out[0].mean(dim=1)})) for t in self.targets]
-        try:
-            self.main(torch.tensor([tokens]))
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return [captured[t] for t in self.targets]
+        return stream_means(self.main, self.targets, lambda: self.main(torch.tensor([tokens])))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [1, 1, T, d] roped at ``positions`` with the window-only layers' rope (no YaRN)."""

@@ -87,6 +87,18 @@ class VisionReference:
     @torch.no_grad()
     def logprobs(self, prompt: ExpandedPrompt, continuation: list[int] = ()) -> torch.Tensor:
         """fp64 next-token log-probs [S, V] at every position of prompt + continuation."""
+        return torch.log_softmax(self._logits(prompt, continuation).double(), -1)
+
+    @torch.no_grad()
+    def features(self, prompt: ExpandedPrompt, continuation: list[int], layers: list[int]) -> list[torch.Tensor]:
+        """What DSpark drafts from: after each of ``layers``, the mean of its streams [S, D] at every
+        position of prompt + continuation."""
+        from tests.oracle.dspark_ref import stream_means
+
+        return stream_means(self.model, layers, lambda: self._logits(prompt, continuation))
+
+    def _logits(self, prompt: ExpandedPrompt, continuation: list[int]) -> torch.Tensor:
+        """[S, V] at every position of prompt + continuation."""
         ids = torch.tensor([prompt.ids + list(continuation)])
         embeds = self.model.model.embed_tokens(ids)[0].clone()  # [S, D]
         kind = ids[0] - SENTINEL_BASE
@@ -99,7 +111,7 @@ class VisionReference:
             logits = self.model(ids, attention_mask={"in-image window": self.mask(ids.shape[1], prompt.blocks)}).logits
         finally:
             hook.remove()
-        return torch.log_softmax(logits[0].double(), -1)
+        return logits[0]
 
 
 def place_image(image, v: VisionConfig, start: int):

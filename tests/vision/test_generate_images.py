@@ -4,7 +4,9 @@ the whole model (tests/vision/reference.py): the expanded prompt, greedy tokens 
 One engine with prefix caching and whole-prompt steps, one with chunked prefill at steps of the
 largest block (384 tokens) placed so that steps would cut images; a resend of an image hits the
 prefix cache, another image of the same size does not, and a hit that would end inside an image is
-moved back to before it."""
+moved back to before it. One engine drafts with DSpark (Vision-Exp's recipe, 3 tokens): its drafts
+equal those of a drafter written from the spec (tests/oracle/dspark_ref.py) fed the reference's
+features."""
 
 from __future__ import annotations
 
@@ -19,16 +21,20 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.e2e.test_dspark import SHORTEST
 from tests.e2e.test_generate import LOGIT_TOL, make_prompts, runner_env
 
 pytestmark = pytest.mark.e2e
 
 RUNNER = Path(__file__).with_name("run_vision.py")
 PLACEHOLDER_ID = 129262  # <｜deepseek_image｜> in the tiny-vision tokenizer
+SENTINEL_BASE = 129257  # the five image sentinel ids follow
 BOS = 0
 MAX_TOKENS = 8
 BLOCK = 256  # prefix-cache granularity
 CHUNK = 384  # the smallest step the engine allows (vision_max_n_token)
+DRAFTS = max(3, SHORTEST)  # DeepSeek's Vision-Exp recipe drafts 3 (vLLM 0.26 refuses fewer than the block size)
+DRAFTED = ("image_last", "two")  # the cases served with drafting
 
 
 def image_file(tmp: Path, name: str, size: tuple[int, int], seed: int) -> str:
@@ -63,7 +69,8 @@ def images(tmp_path_factory) -> dict[str, str]:
 
 # name -> (prompt ids, images). "one"'s image ends inside the first cache block; "hit_split" is short
 # enough that its longest cache hit (one block) would end inside its image; "chunk_split" and "chunks"
-# have images across a 384-token step boundary.
+# have images across a 384-token step boundary; "image_last"'s image ends within the 16-token window
+# a DSpark draft step sees before its anchor.
 def cases(images):
     return {
         "one": (prompt([20, None, 200], 11), [images["a"]]),
@@ -71,14 +78,19 @@ def cases(images):
         "hit_split": (prompt([230, None, 20], 13), [images["a"]]),
         "chunk_split": (prompt([300, None, 100], 15), [images["a"]]),
         "chunks": (prompt([330, None, 20, None, 150], 14), [images["tall"], images["a2"]]),
+        "image_last": (prompt([20, None, 3], 16), [images["a"]]),
     }
 
 
-def run(tmp: Path, ckpt: Path, engine: dict, batches: list[list[dict]], name: str, env: dict | None = None) -> list:
+def run(tmp: Path, ckpt: Path, engine: dict, batches: list[list[dict]], name: str, env: dict | None = None,
+        **options) -> dict:
+    """run_vision.py's output (``batches``: per batch, per prompt; ``spec_decode``; ``draft_rows``).
+    ``options``: run_vision.py's ``record_drafts``."""
     defaults = dict(dtype="float32", max_model_len=2048)
     if torch.cuda.is_available():  # the same tests run on the GPU device under vLLM 0.26
         defaults["gpu_memory_utilization"] = 0.3
-    job = {"model": str(ckpt), "engine": {**defaults, **engine}, "batches": batches, "max_tokens": MAX_TOKENS}
+    job = {"model": str(ckpt), "engine": {**defaults, **engine}, "batches": batches, "max_tokens": MAX_TOKENS,
+           **options}
     job_path, out_path = tmp / f"{name}.json", tmp / f"{name}.pt"
     job_path.write_text(json.dumps(job))
     repo = Path(__file__).resolve().parents[2]
@@ -86,7 +98,7 @@ def run(tmp: Path, ckpt: Path, engine: dict, batches: list[list[dict]], name: st
     proc = subprocess.run([sys.executable, str(RUNNER), str(job_path), str(out_path)], env=env, cwd=tmp,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return torch.load(out_path, weights_only=False)["batches"]
+    return torch.load(out_path, weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +108,7 @@ def whole_steps(tmp_path_factory, ckpt, images):
     other = {"ids": c["one"][0], "images": [images["a2"]]}
     batches = [[p("one")], [p("two")], [p("one")], [other], [p("hit_split")], [p("hit_split")]]
     return run(tmp_path_factory.mktemp("whole"), ckpt, dict(enable_prefix_caching=True, max_num_batched_tokens=2048),
-               batches, "whole")
+               batches, "whole")["batches"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +117,18 @@ def chunked(tmp_path_factory, ckpt, images):
     batches = [[{"ids": c[n][0], "images": c[n][1]} for n in ("chunk_split", "chunks", "two")]]
     return run(tmp_path_factory.mktemp("chunked"), ckpt,
                dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,
-                    max_num_seqs=1), batches, "chunked")
+                    max_num_seqs=1), batches, "chunked")["batches"]
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory, ckpt, images):
+    """One batch of a one- and a two-image prompt with DSpark drafting (tiny-vision carries 0731's
+    stages), every draft step recorded."""
+    c = cases(images)
+    batches = [[{"ids": c[n][0], "images": c[n][1]} for n in DRAFTED]]
+    spec = {"method": "dspark", "num_speculative_tokens": DRAFTS}
+    return run(tmp_path_factory.mktemp("drafted"), ckpt, dict(speculative_config=spec, max_num_batched_tokens=2048),
+               batches, "drafted", record_drafts=True)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +187,34 @@ def test_chunked_prefill_keeps_images_whole(chunked, reference, images):
             assert any(s < k * CHUNK <= e for s, e in expanded.blocks for k in (1, 2))
 
 
+def test_dspark_drafting_beside_images(drafted, reference, ckpt, images):
+    """Speculative decoding with images: greedy tokens and log-probs equal the non-speculative reference's;
+    every step drafted, and the drafts equal those of a drafter written from the spec (tests/oracle/
+    dspark_ref.py) fed the reference's features, also where its window holds image tokens."""
+    from tests.oracle.dspark_ref import HFDSparkReference
+
+    drafter = HFDSparkReference(ckpt, main=reference.model)
+    c, steps = cases(images), -(-(MAX_TOKENS - 1) // (DRAFTS + 1))  # each request's 7 decoded tokens
+    for name, ours in zip(DRAFTED, drafted["batches"][0]):
+        expanded = check(reference, c[name], ours)
+        tokens = ours["tokens"]
+        assert not any(0 <= t - SENTINEL_BASE < 5 for t in tokens)  # (the reference's stages route no sentinel)
+        seq, features = expanded.ids + tokens, reference.features(expanded, tokens, drafter.targets)
+        rows = [(P, d) for prompt, P, d in drafted["draft_rows"] if list(prompt) == expanded.ids and P < len(seq)]
+        assert len(rows) >= steps, rows
+        for P, drafts in rows:
+            want = drafter.draft(seq[:P], seq[P], DRAFTS, drafts=drafts, features=features)["logits"]  # [N, V]
+            top2 = want.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 10 * LOGIT_TOL
+            assert [d for k, d in enumerate(drafts) if clear[k]] == want.argmax(-1)[clear].tolist(), (name, P)
+        if name == "image_last":
+            assert min(P for P, _ in rows) - drafter.window <= expanded.blocks[-1][1]  # the window holds image tokens
+    counters = drafted["spec_decode"]
+    drafts = counters["vllm:spec_decode_num_drafts"]
+    assert drafts >= len(DRAFTED) * steps, counters
+    assert counters["vllm:spec_decode_num_draft_tokens"] == DRAFTS * drafts, counters
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not os.environ.get("DSV4_FLASH_VISION_CKPT"), reason="needs DSV4_FLASH_VISION_CKPT (gpu_check.sh vision-flash)")
 def test_flash_vision_serves_images(tmp_path, images):
@@ -176,7 +227,7 @@ def test_flash_vision_serves_images(tmp_path, images):
                [{"ids": c["one"][0], "images": c["one"][1]}]]
     engine = dict(dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=False, enable_prefix_caching=True,
                   max_model_len=4096, max_num_batched_tokens=4096, gpu_memory_utilization=0.8)
-    out = run(tmp_path, ckpt, engine, batches, "flash_vision", env={"VLLM_DSV4_ATTN_QUERY_CHUNK": "64"})
+    out = run(tmp_path, ckpt, engine, batches, "flash_vision", env={"VLLM_DSV4_ATTN_QUERY_CHUNK": "64"})["batches"]
     from tests.vision.reference import place_image
     from vllm_dsv4.config import VisionConfig
 
